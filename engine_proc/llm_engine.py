@@ -1,0 +1,219 @@
+"""The in-process engine: requests in, per-step token outputs out.
+
+A step is three calls: schedule, run the model, post-process. The engine keeps no reference
+to a GenerateRequest once `add_request` returns: the Sequence copies the token ids and
+holds the image arrays itself, so freeing them there (R3) really frees them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from engine_proc.model_runner import ModelRunner
+from engine_proc.scheduler import RequestRejected, ScheduledBatch, Scheduler
+from engine_proc.sequence import ImageSpan, Sequence
+from shared.messages import EngineStats, GenerateRequest, ImageInput, RequestOutput
+from shared.model_config import ModelConfig, load_model_config
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LLMEngine", "RequestRejected"]
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 8192,
+        max_model_len: int | None = None,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        block_size: int = 16,
+        max_waiting: int = 4096,
+        device: str | None = None,
+        dtype: str | None = None,
+    ):
+        self.config: ModelConfig = load_model_config(model_path)
+        self.max_model_len = min(
+            max_model_len or self.config.text.max_position_embeddings,
+            self.config.text.max_position_embeddings,
+        )
+        self.model_runner = ModelRunner(
+            self.config,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            max_num_kv_blocks=max_num_seqs * -(-self.max_model_len // block_size),
+            device=device,
+            dtype=dtype,
+        )
+        self.scheduler = Scheduler(
+            num_kv_blocks=self.model_runner.num_kv_blocks,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            max_waiting=max_waiting,
+            eos_token_ids=self.config.eos_token_ids,
+        )
+        self.seqs: dict[str, Sequence] = {}  # unfinished, by request id
+        self.mm_seqs: list[Sequence] = []  # unfinished and still holding image data
+        self.pending_outputs: list[RequestOutput] = []  # aborts, reported by the next step
+
+    # ---- requests ---------------------------------------------------------------------
+
+    def add_request(self, request: GenerateRequest) -> None:
+        """Queue a request; raises RequestRejected (a ValueError) with the reason if the
+        engine cannot take it. The engine owns the request's images from here on."""
+        if request.request_id in self.seqs:
+            raise RequestRejected(f"request id {request.request_id!r} is already running")
+        seq = self._make_sequence(request)
+        self.scheduler.add(seq)
+        self.seqs[seq.request_id] = seq
+        if seq.has_images:
+            self.mm_seqs.append(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request and free everything it holds; its final output (finish_reason
+        "abort") comes with the next step. False if it is unknown or already finished."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        self.pending_outputs.append(self._output(seq, []))
+        self._prune_mm_seqs()
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.seqs) or bool(self.pending_outputs)
+
+    # ---- the loop ---------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns one output per request that gained a token or
+        finished in it."""
+        outputs, self.pending_outputs = self.pending_outputs, []
+        batch = self.scheduler.schedule()
+        if not batch:
+            return outputs
+        try:
+            token_ids = self.model_runner.run(batch)
+        except Exception as exc:  # fail this step's requests, keep serving the others
+            logger.exception("engine step failed for %d requests", batch.num_seqs)
+            outputs.extend(self._fail(batch, f"{type(exc).__name__}: {exc}"))
+            return outputs
+        for seq in self.scheduler.postprocess(batch, token_ids):
+            outputs.append(self._output(seq, [seq.last_token_id]))
+            if seq.is_finished:
+                del self.seqs[seq.request_id]
+        if self.mm_seqs:
+            self._prune_mm_seqs()
+        return outputs
+
+    def generate(self, requests: list[GenerateRequest]) -> dict[str, list[int]]:
+        """Run requests to completion; returns the completion token ids by request id."""
+        results: dict[str, list[int]] = {}
+        for request in requests:
+            self.add_request(request)
+            results[request.request_id] = []
+        while self.has_unfinished_requests():
+            for output in self.step():
+                if output.error is not None:
+                    raise RuntimeError(f"request {output.request_id} failed: {output.error}")
+                results[output.request_id].extend(output.new_token_ids)
+        return results
+
+    def stats(self) -> EngineStats:
+        block_manager = self.scheduler.block_manager
+        return EngineStats(
+            num_waiting=self.scheduler.num_waiting,
+            num_running=self.scheduler.num_running,
+            num_kv_blocks_total=block_manager.num_blocks,
+            num_kv_blocks_free=block_manager.num_free_blocks,
+            mm_bytes_held=sum(seq.mm_bytes for seq in self.mm_seqs),
+            num_requests_finished=self.scheduler.num_finished,
+        )
+
+    # ---- helpers ----------------------------------------------------------------------
+
+    def _fail(self, batch: ScheduledBatch, error: str) -> list[RequestOutput]:
+        outputs = []
+        for seq in batch.seqs:
+            if seq.is_finished:
+                continue
+            self.scheduler.finish(seq, "error", error=error)
+            self.seqs.pop(seq.request_id, None)
+            outputs.append(self._output(seq, []))
+        self._prune_mm_seqs()
+        return outputs
+
+    def _prune_mm_seqs(self) -> None:
+        self.mm_seqs = [s for s in self.mm_seqs if not all(image.released for image in s.images)]
+
+    @staticmethod
+    def _output(seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new_token_ids,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_completion_tokens=seq.num_completion_tokens,
+            error=seq.error,
+        )
+
+    def _make_sequence(self, request: GenerateRequest) -> Sequence:
+        token_ids = np.asarray(request.prompt_token_ids, dtype=np.int64)
+        if token_ids.ndim != 1 or len(token_ids) == 0:
+            raise RequestRejected("prompt_token_ids must be a non-empty list of token ids")
+        vocab = self.config.text.vocab_size
+        if token_ids.min() < 0 or token_ids.max() >= vocab:
+            raise RequestRejected(f"prompt has token ids outside the vocabulary [0, {vocab})")
+        if (token_ids == self.config.video_token_id).any():
+            raise RequestRejected("video inputs are not supported")
+        images = self._image_spans(token_ids, request.images)
+        return Sequence(request.request_id, token_ids.tolist(), request.sampling, images)
+
+    def _image_spans(self, token_ids: np.ndarray, images: list[ImageInput]) -> list[ImageSpan]:
+        """Match each image to its run of placeholder tokens, checking the geometry."""
+        placeholder = np.flatnonzero(token_ids == self.config.image_token_id)
+        if not images:
+            if len(placeholder):
+                raise RequestRejected(f"prompt has {len(placeholder)} image tokens but no images")
+            return []
+        patch = self.config.vision.patch_size
+        merge = self.config.vision.spatial_merge_size
+        spans = []
+        cursor = 0
+        for i, image in enumerate(images):
+            pixels = image.pixels
+            if (
+                not isinstance(pixels, np.ndarray)
+                or pixels.dtype != np.uint8
+                or pixels.ndim != 3
+                or pixels.shape[2] != 3
+            ):
+                raise RequestRejected(f"image {i}: pixels must be a uint8 array of shape (H, W, 3)")
+            t, h, w = (int(x) for x in image.grid_thw)
+            height, width = pixels.shape[:2]
+            if t != 1 or h * patch != height or w * patch != width or h % merge or w % merge:
+                raise RequestRejected(
+                    f"image {i}: grid_thw {tuple(image.grid_thw)} does not match pixels {pixels.shape} "
+                    f"(patch {patch}, merge {merge})"
+                )
+            length = h * w // (merge * merge)
+            run = placeholder[cursor : cursor + length]
+            if len(run) != length or run[-1] - run[0] != length - 1:
+                raise RequestRejected(
+                    f"image {i}: prompt lacks a run of {length} image tokens for it"
+                )
+            spans.append(ImageSpan(pixels, (t, h, w), int(run[0]), length))
+            cursor += length
+        if cursor != len(placeholder):
+            raise RequestRejected(
+                f"prompt has {len(placeholder)} image tokens, its {len(images)} images need {cursor}"
+            )
+        return spans

@@ -1,0 +1,381 @@
+"""Runs one scheduled batch through the model: flat inputs, attention context, images,
+forward, logits, sampling.
+
+A batch is flat: the decode tokens of some sequences and prefill chunks of others, one
+after another on a single token axis. Images are encoded when the first chunk covering
+them is scheduled (every image of the step in one `encode_images` call); their pixels are
+dropped right after encoding and their embeddings after the step whose chunk covered their
+last placeholder token (R3, see `Scheduler.postprocess`). Nothing here keeps a reference to
+either beyond the call that uses it.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import numpy as np
+import torch
+
+from engine_proc.context import Context, reset_context, set_context
+from engine_proc.sampler import Sampler, SamplingBatch
+from engine_proc.scheduler import ScheduledBatch
+from engine_proc.sequence import ImageSpan, Sequence
+from shared.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, config: ModelConfig) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = (dtype or "auto").removeprefix("torch.")
+    if name == "auto":
+        name = config.torch_dtype.removeprefix("torch.")
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}")
+    return DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        block_size: int,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        kv_cache_memory_fraction: float = 0.8,
+        max_num_kv_blocks: int | None = None,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+    ):
+        from engine_proc.models.mrope import compute_mrope_positions
+        from engine_proc.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+
+        self.config = config
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, config)
+        self.block_size = block_size
+        self.on_cuda = self.device.type == "cuda"
+        self.compute_mrope_positions = compute_mrope_positions
+        self.model = Qwen2_5_VLForConditionalGeneration(config, self.device, self.dtype)
+        self.model.load_weights(config.path)
+        self.model.eval()
+        self.sampler = Sampler()
+        self.num_kv_blocks = self._num_kv_blocks(
+            num_kv_blocks, kv_cache_memory_bytes, kv_cache_memory_fraction, max_num_kv_blocks
+        )
+        self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
+
+    # ---- KV cache ---------------------------------------------------------------------
+
+    @property
+    def kv_block_bytes(self) -> int:
+        text = self.config.text
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return (
+            2
+            * text.num_hidden_layers
+            * self.block_size
+            * text.num_key_value_heads
+            * text.head_dim
+            * elem
+        )
+
+    def _num_kv_blocks(
+        self,
+        num_kv_blocks: int | None,
+        memory_bytes: int | None,
+        memory_fraction: float,
+        max_num_kv_blocks: int | None,
+    ) -> int:
+        if num_kv_blocks:
+            return num_kv_blocks
+        if memory_bytes is None:
+            if not self.on_cuda:
+                raise ValueError("on CPU give num_kv_blocks or kv_cache_memory_bytes")
+            free, _ = torch.cuda.mem_get_info(self.device)
+            memory_bytes = int(free * memory_fraction)
+        num = memory_bytes // self.kv_block_bytes
+        if max_num_kv_blocks:
+            num = min(num, max_num_kv_blocks)  # more could never be used
+        if num < 1:
+            raise ValueError(f"KV cache budget of {memory_bytes} bytes is below one block")
+        return int(num)
+
+    def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        text = self.config.text
+        layers = [
+            m for m in self.model.modules() if hasattr(m, "k_cache") and hasattr(m, "v_cache")
+        ]
+        if len(layers) != text.num_hidden_layers:
+            raise RuntimeError(
+                f"found {len(layers)} attention layers, expected {text.num_hidden_layers}"
+            )
+        shape = (
+            2,
+            len(layers),
+            num_blocks,
+            self.block_size,
+            text.num_key_value_heads,
+            text.head_dim,
+        )
+        kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(layers):
+            layer.k_cache = kv_cache[0, i]
+            layer.v_cache = kv_cache[1, i]
+        return kv_cache
+
+    # ---- one step ---------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> list[int]:
+        """Run one step; returns the sampled token of every sequence whose scheduled range
+        reaches its last token, in batch order."""
+        input_ids, positions, context, sample_rows, sample_seqs = self.prepare(batch)
+        set_context(context)
+        try:
+            inputs_embeds = self.embed(input_ids, batch)
+            hidden = self.model(inputs_embeds, positions)
+        finally:
+            reset_context()
+        del inputs_embeds
+        if not sample_seqs:
+            return []
+        logits = self.model.compute_logits(hidden[sample_rows])
+        token_ids = self.sampler(logits, self.prepare_sampling(sample_seqs))
+        return token_ids.tolist()  # the one host sync of a step
+
+    def prepare(self, batch: ScheduledBatch):
+        decode = self.prepare_decode(batch.seqs[: batch.num_decode_seqs])
+        prefill = self.prepare_prefill(
+            batch.seqs[batch.num_decode_seqs :], batch.num_new_tokens[batch.num_decode_seqs :]
+        )
+        parts = [p for p in (decode, prefill) if p is not None]
+        input_ids, positions, slots, q_lens, seq_lens, tables, samples = (
+            [p[k] for p in parts] for k in range(7)
+        )
+        input_ids = np.concatenate(input_ids)
+        positions = np.concatenate(positions, axis=1)
+        slots = np.concatenate(slots)
+        q_lens = np.concatenate(q_lens)
+        seq_lens = np.concatenate(seq_lens)
+        tables = [row for t in tables for row in t]
+        samples = np.concatenate(samples)
+
+        query_start_loc = np.zeros(len(q_lens) + 1, dtype=np.int32)
+        np.cumsum(q_lens, out=query_start_loc[1:])
+        block_tables = np.full((len(tables), max(map(len, tables))), -1, dtype=np.int32)
+        for i, row in enumerate(tables):
+            block_tables[i, : len(row)] = row
+        sample_rows = query_start_loc[1:][samples] - 1
+        sample_seqs = [seq for seq, s in zip(batch.seqs, samples, strict=True) if s]
+        context = Context(
+            query_start_loc=self._to_device(query_start_loc),
+            seq_lens=self._to_device(seq_lens),
+            slot_mapping=self._to_device(slots),
+            block_tables=self._to_device(block_tables),
+            max_q_len=int(q_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            all_decode=batch.all_decode,
+        )
+        return (
+            self._to_device(input_ids),
+            self._to_device(positions),
+            context,
+            self._to_device(sample_rows.astype(np.int64)),
+            sample_seqs,
+        )
+
+    def prepare_decode(self, seqs: list[Sequence]):
+        """One token per sequence: its last one, at index num_tokens - 1."""
+        if not seqs:
+            return None
+        bs = self.block_size
+        pos = np.fromiter((len(s.token_ids) - 1 for s in seqs), dtype=np.int64, count=len(seqs))
+        delta = np.fromiter((s.mrope_delta for s in seqs), dtype=np.int64, count=len(seqs))
+        input_ids = np.fromiter((s.token_ids[-1] for s in seqs), dtype=np.int64, count=len(seqs))
+        block_ids = np.fromiter(
+            (s.block_table[p // bs] for s, p in zip(seqs, pos.tolist(), strict=True)),
+            dtype=np.int64,
+            count=len(seqs),
+        )
+        slots = block_ids * bs + pos % bs
+        seq_lens = (pos + 1).astype(np.int32)
+        tables = [
+            s.block_table[: (n + bs - 1) // bs]
+            for s, n in zip(seqs, seq_lens.tolist(), strict=True)
+        ]
+        positions = np.broadcast_to(pos + delta, (3, len(seqs)))
+        q_lens = np.ones(len(seqs), dtype=np.int32)
+        return input_ids, positions, slots, q_lens, seq_lens, tables, np.ones(len(seqs), dtype=bool)
+
+    def prepare_prefill(self, seqs: list[Sequence], num_new_tokens: list[int]):
+        """A chunk of `num_new` tokens per sequence, from its first uncomputed one."""
+        if not seqs:
+            return None
+        bs = self.block_size
+        input_ids, positions, slots, tables, samples = [], [], [], [], []
+        seq_lens = np.empty(len(seqs), dtype=np.int32)
+        for i, (seq, num_new) in enumerate(zip(seqs, num_new_tokens, strict=True)):
+            start = seq.num_computed_tokens
+            end = start + num_new
+            if seq.has_images and seq.mrope_positions is None:
+                self._compute_mrope(seq)
+            input_ids.append(np.asarray(seq.token_ids[start:end], dtype=np.int64))
+            positions.append(self._positions(seq, start, end))
+            idx = np.arange(start, end)
+            table = np.asarray(seq.block_table[: (end + bs - 1) // bs], dtype=np.int64)
+            slots.append(table[idx // bs] * bs + idx % bs)
+            tables.append(table)
+            seq_lens[i] = end
+            samples.append(end == len(seq.token_ids))
+        q_lens = np.asarray(num_new_tokens, dtype=np.int32)
+        return (
+            np.concatenate(input_ids),
+            np.concatenate(positions, axis=1),
+            np.concatenate(slots),
+            q_lens,
+            seq_lens,
+            tables,
+            np.asarray(samples, dtype=bool),
+        )
+
+    def _compute_mrope(self, seq: Sequence) -> None:
+        vision = self.config.vision
+        positions, delta = self.compute_mrope_positions(
+            seq.token_ids[: seq.num_prompt_tokens],
+            [image.grid_thw for image in seq.images],
+            self.config.image_token_id,
+            self.config.vision_start_token_id,
+            vision.spatial_merge_size,
+        )
+        seq.mrope_positions = np.ascontiguousarray(positions, dtype=np.int64)
+        seq.mrope_delta = int(delta)
+
+    @staticmethod
+    def _positions(seq: Sequence, start: int, end: int) -> np.ndarray:
+        if seq.mrope_positions is None:
+            return np.broadcast_to(np.arange(start, end, dtype=np.int64), (3, end - start))
+        num_prompt = seq.mrope_positions.shape[1]
+        if end <= num_prompt:
+            return seq.mrope_positions[:, start:end]
+        # tokens after the prompt (recomputed after a preemption) continue text-like
+        tail = np.arange(max(start, num_prompt), end, dtype=np.int64) + seq.mrope_delta
+        head = seq.mrope_positions[:, start:num_prompt]
+        return np.concatenate([head, np.broadcast_to(tail, (3, len(tail)))], axis=1)
+
+    def prepare_sampling(self, seqs: list[Sequence]) -> SamplingBatch:
+        params = [s.sampling for s in seqs]
+        greedy = [p.temperature == 0.0 for p in params]
+        all_greedy = all(greedy)
+        vocab = self.config.text.vocab_size
+        if all_greedy:
+            empty = torch.empty(0)
+            return SamplingBatch(empty, empty, empty, empty, [], True, False, False, False)
+        top_ks = [p.top_k if p.top_k > 0 else vocab for p in params]
+        generators = [self._generator(s) if s.sampling.seed is not None else None for s in seqs]
+        return SamplingBatch(
+            temperatures=self._to_device(
+                np.asarray(
+                    [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
+                    dtype=np.float32,
+                )
+            ),
+            top_ps=self._to_device(np.asarray([p.top_p for p in params], dtype=np.float32)),
+            top_ks=self._to_device(np.asarray(top_ks, dtype=np.int64)),
+            greedy=self._to_device(np.asarray(greedy, dtype=bool)),
+            generators=generators,
+            all_greedy=False,
+            any_top_p=any(p.top_p < 1.0 for p in params),
+            any_top_k=any(k < vocab for k in top_ks),
+            any_seeded=any(g is not None for g in generators),
+        )
+
+    def _generator(self, seq: Sequence) -> torch.Generator:
+        if seq.generator is None:
+            seq.generator = torch.Generator(device=self.device)
+            seq.generator.manual_seed(seq.sampling.seed)
+        return seq.generator
+
+    # ---- images -----------------------------------------------------------------------
+
+    def embed(self, input_ids: torch.Tensor, batch: ScheduledBatch) -> torch.Tensor:
+        """Token embeddings with image embeddings written over the placeholder rows."""
+        inputs_embeds = self.model.embed_tokens(input_ids)
+        pieces = self._image_pieces(batch)
+        if not pieces:
+            return inputs_embeds  # text-only: no vision work at all
+        self._encode([image for image, *_ in pieces if image.embeds is None])
+        for image, dst, src_start, src_end in pieces:
+            inputs_embeds[dst : dst + src_end - src_start] = image.embeds[src_start:src_end]
+        return inputs_embeds
+
+    @staticmethod
+    def _image_pieces(batch: ScheduledBatch) -> list[tuple[ImageSpan, int, int, int]]:
+        """(image, first row in the flat batch, first and end row of its embeddings) for
+        every image placeholder range inside this step's chunks."""
+        pieces = []
+        row = 0
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            if seq.has_images:
+                start = seq.num_computed_tokens
+                end = start + num_new
+                for image in seq.images:
+                    if image.offset < end and image.end > start:
+                        lo, hi = max(start, image.offset), min(end, image.end)
+                        pieces.append(
+                            (image, row + lo - start, lo - image.offset, hi - image.offset)
+                        )
+            row += num_new
+        return pieces
+
+    def _encode(self, images: list[ImageSpan]) -> None:
+        if not images:
+            return
+        pixels = [self._pixels_to_device(image.pixels) for image in images]
+        for image in images:
+            image.pixels = None  # R3: the embeddings carry everything from here on
+        embeds = self.model.encode_images(pixels, [image.grid_thw for image in images])
+        del pixels
+        for image, emb in zip(images, embeds, strict=True):
+            if emb.shape[0] != image.length:
+                raise RuntimeError(
+                    f"image encoded to {emb.shape[0]} tokens, prompt has {image.length}"
+                )
+            if emb.untyped_storage().nbytes() > emb.numel() * emb.element_size():
+                emb = emb.clone()  # a view would keep the whole batch's storage alive
+            image.embeds = emb
+
+    def _pixels_to_device(self, pixels: np.ndarray) -> torch.Tensor:
+        if self.on_cuda:
+            host = torch.empty(pixels.shape, dtype=torch.uint8, pin_memory=True)
+            host.numpy()[...] = pixels
+            return host.to(self.device, non_blocking=True)
+        with warnings.catch_warnings():  # read-only arrays (zero-copy rpc frames) are fine
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(np.ascontiguousarray(pixels))
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        if self.on_cuda:
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor

@@ -1,0 +1,245 @@
+"""Continuous batching with chunked prefill under a per-step token budget.
+
+Each step builds one flat batch: first a decode token for every running sequence that has
+finished its prefill, then the next prefill chunk of running sequences still prefilling,
+then new sequences from the waiting queue, until `max_num_batched_tokens` or
+`max_num_seqs` is reached. A prefill chunk may end anywhere, also inside an image's
+placeholder tokens.
+
+Preemption is by recompute (free the blocks, requeue at the front, prefill again) and only
+ever hits text-only sequences. R3 frees an image's pixels and embeddings once its last
+placeholder token is in the KV cache, after which the sequence could not be recomputed. So
+a sequence with images reserves, at admission, blocks for its whole life (prompt +
+max_tokens, capped at max_model_len): it never asks for a block later and is never
+preempted. A text-only sequence that cannot grow preempts the newest text-only sequence not
+yet scheduled this step, or itself. Image sequences always finish and free their blocks,
+so the queue always drains. Requests that could never fit are rejected at `add`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine_proc.block_manager import BlockManager
+from engine_proc.sequence import Sequence, SequenceStatus
+
+
+class RequestRejected(ValueError):
+    """The engine cannot take this request (too long, malformed, or the queue is full)."""
+
+
+@dataclass
+class ScheduledBatch:
+    """The sequences of one step and how many new tokens each computes. Sequence `i`
+    computes tokens `[num_computed_tokens, num_computed_tokens + num_new_tokens[i])`;
+    it samples a token when that range reaches its last token."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    num_decode_seqs: int = 0  # the first num_decode_seqs entries compute exactly one token
+
+    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new_tokens)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def all_decode(self) -> bool:
+        return self.num_decode_seqs == len(self.seqs)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        num_kv_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        max_waiting: int,
+        eos_token_ids: tuple[int, ...] = (),
+    ):
+        if max_num_batched_tokens < max_num_seqs:
+            # every running sequence must get its decode token each step, or some starve
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least "
+                f"max_num_seqs ({max_num_seqs})"
+            )
+        self.block_manager = BlockManager(num_kv_blocks, block_size)
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.max_waiting = max_waiting
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_finished = 0
+        self.num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def max_num_cached_tokens(self, seq: Sequence) -> int:
+        """The most tokens `seq` can ever hold in the KV cache (its last token is sampled
+        but never written, hence the - 1)."""
+        return min(seq.num_prompt_tokens + seq.sampling.max_tokens, self.max_model_len) - 1
+
+    def num_tokens_to_reserve(self, seq: Sequence) -> int:
+        return self.max_num_cached_tokens(seq) if seq.has_images else seq.num_tokens
+
+    def add(self, seq: Sequence) -> None:
+        if seq.num_prompt_tokens >= self.max_model_len:
+            raise RequestRejected(
+                f"prompt has {seq.num_prompt_tokens} tokens, which leaves no room for output "
+                f"within max_model_len={self.max_model_len}"
+            )
+        # a sequence that outgrows the whole cache would preempt itself forever
+        num_blocks = self.block_manager.num_blocks_for(self.max_num_cached_tokens(seq))
+        if num_blocks > self.block_manager.num_blocks:
+            raise RequestRejected(
+                f"request needs up to {num_blocks} KV cache blocks (prompt + max_tokens) but "
+                f"the whole cache has {self.block_manager.num_blocks}"
+            )
+        if len(self.waiting) >= self.max_waiting:
+            raise RequestRejected(f"engine queue is full ({self.max_waiting} waiting requests)")
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        scheduled: set[int] = set()
+        preempted = False
+        # 1. one decode token for every sequence past its prefill
+        for seq in list(self.running):
+            if seq.num_uncomputed_tokens != 1 or seq.status != SequenceStatus.RUNNING:
+                continue
+            if not self._make_room(seq, scheduled):
+                preempted = True
+                continue
+            self.block_manager.append(seq)
+            batch.add(seq, 1)
+            scheduled.add(seq.seq_id)
+            budget -= 1
+        batch.num_decode_seqs = batch.num_seqs
+        # 2. the next chunk of sequences still prefilling
+        for seq in self.running:
+            if budget == 0:
+                break
+            if seq.seq_id in scheduled or seq.num_uncomputed_tokens == 0:
+                continue
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            batch.add(seq, num_new)
+            scheduled.add(seq.seq_id)
+            budget -= num_new
+        # 3. admit waiting sequences (not in a step that had to preempt: they would thrash)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            if preempted and self.running:
+                break
+            seq = self.waiting[0]
+            num_tokens = self.num_tokens_to_reserve(seq)
+            if not self.block_manager.can_allocate(num_tokens):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq, num_tokens)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            batch.add(seq, num_new)
+            budget -= num_new
+        return batch
+
+    def _make_room(self, seq: Sequence, scheduled: set[int]) -> bool:
+        """Preempt until `seq` can take its next token; False if `seq` itself had to go."""
+        while not self.block_manager.can_append(seq):
+            victim = next(
+                (
+                    s
+                    for s in reversed(self.running)
+                    if s is not seq and not s.has_images and s.seq_id not in scheduled
+                ),
+                None,
+            )
+            if victim is not None:
+                self.preempt(victim)
+            elif not seq.has_images:
+                self.preempt(seq)
+                return False
+            else:  # cannot happen (image sequences reserve their blocks); wait a step
+                return False
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        assert not seq.has_images, "sequences with images are never preempted (R3)"
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def postprocess(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> list[Sequence]:
+        """Account for a finished step; returns the sequences that got a token, in batch
+        order (finished ones have status FINISHED and hold nothing any more)."""
+        out: list[Sequence] = []
+        it = iter(sampled_token_ids)
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed_tokens += num_new
+            if seq.has_images:
+                seq.release_consumed_images()  # R3: the chunk that consumed them has run
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a prefill chunk that did not reach the end: nothing sampled
+            token_id = next(it)
+            seq.append_token(token_id)
+            out.append(seq)
+            reason = self._finish_reason(seq, token_id)
+            if reason is not None:
+                self.finish(seq, reason)
+        return out
+
+    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+        sampling = seq.sampling
+        if not sampling.ignore_eos and token_id in self.eos_token_ids:
+            return "stop"
+        if token_id in sampling.stop_token_ids:
+            return "stop"
+        if seq.num_completion_tokens >= sampling.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        """Retire a sequence wherever it is and free everything it holds."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            return
+        self.block_manager.free(seq)
+        seq.release_multimodal()
+        seq.generator = None
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.error = error
+        self.num_finished += 1

@@ -1,0 +1,132 @@
+"""One request's state inside the engine: tokens, KV blocks, progress and its images."""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+from itertools import count
+
+import numpy as np
+import torch
+
+from shared.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class ImageSpan:
+    """One image of a prompt: its uint8 pixels until encoded, its embeddings until the
+    chunk that covers its last placeholder token has run, then nothing (R3)."""
+
+    __slots__ = ("grid_thw", "offset", "length", "pixels", "embeds", "__weakref__")
+
+    def __init__(
+        self, pixels: np.ndarray, grid_thw: tuple[int, int, int], offset: int, length: int
+    ):
+        self.pixels: np.ndarray | None = pixels
+        self.grid_thw = grid_thw
+        self.offset = offset  # prompt index of the first placeholder token
+        self.length = length  # number of placeholder tokens
+        self.embeds: torch.Tensor | None = None  # [length, hidden] on the model's device
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+    @property
+    def released(self) -> bool:
+        return self.pixels is None and self.embeds is None
+
+    @property
+    def nbytes(self) -> int:
+        n = 0 if self.pixels is None else int(self.pixels.nbytes)
+        if self.embeds is not None:
+            n += self.embeds.numel() * self.embeds.element_size()
+        return n
+
+    def release(self) -> None:
+        self.pixels = None
+        self.embeds = None
+
+
+class Sequence:
+    _ids = count()
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        images: list[ImageSpan] | None = None,
+    ):
+        self.seq_id = next(Sequence._ids)
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.sampling = sampling
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose K/V is in the cache
+        self.block_table: list[int] = []
+        self.images: list[ImageSpan] = images or []
+        self.has_images = bool(self.images)
+        # mRoPE positions of the prompt ([3, num_prompt_tokens]) and the offset for later
+        # tokens; None for text-only prompts, whose positions are plain indices.
+        self.mrope_positions: np.ndarray | None = None
+        self.mrope_delta = 0
+        self.generator: torch.Generator | None = None
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Tokens whose K/V is in the cache (no prefix caching yet: all were computed here)."""
+        return self.num_computed_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def mm_bytes(self) -> int:
+        return sum(image.nbytes for image in self.images) if self.has_images else 0
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def release_multimodal(self) -> None:
+        """R3: drop every reference to pixels and embeddings this sequence holds."""
+        for image in self.images:
+            image.release()
+
+    def release_consumed_images(self) -> None:
+        """R3: drop the images whose placeholder tokens are all in the KV cache now."""
+        for image in self.images:
+            if image.end <= self.num_computed_tokens and not image.released:
+                image.release()

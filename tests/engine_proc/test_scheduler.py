@@ -1,0 +1,239 @@
+import random
+
+import numpy as np
+import pytest
+
+from engine_proc.scheduler import RequestRejected, Scheduler
+from engine_proc.sequence import ImageSpan, Sequence, SequenceStatus
+from shared.sampling_params import SamplingParams
+
+EOS = 2
+TOKEN = 7  # what the fake model always samples
+
+
+def make_scheduler(**kw) -> Scheduler:
+    args = dict(
+        num_kv_blocks=64,
+        block_size=4,
+        max_num_seqs=8,
+        max_num_batched_tokens=32,
+        max_model_len=256,
+        max_waiting=100,
+        eos_token_ids=(EOS,),
+    )
+    args.update(kw)
+    return Scheduler(**args)
+
+
+def make_seq(num_tokens=10, max_tokens=4, images=(), **sampling) -> Sequence:
+    spans = [ImageSpan(np.zeros((28, 28, 3), np.uint8), (1, 2, 2), off, n) for off, n in images]
+    return Sequence(
+        f"r{random.random()}",
+        [5] * num_tokens,
+        SamplingParams(max_tokens=max_tokens, **sampling),
+        spans,
+    )
+
+
+def sampled_count(batch) -> int:
+    return sum(
+        s.num_computed_tokens + n == s.num_tokens
+        for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
+    )
+
+
+def step(sched: Scheduler, token: int = TOKEN):
+    batch = sched.schedule()
+    assert batch.num_tokens <= sched.max_num_batched_tokens
+    assert batch.num_seqs <= sched.max_num_seqs
+    assert len({s.seq_id for s in batch.seqs}) == batch.num_seqs
+    for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        assert n >= 1
+        # the cache holds a slot for every token this step writes
+        assert len(seq.block_table) * sched.block_manager.block_size >= seq.num_computed_tokens + n
+    out = sched.postprocess(batch, [token] * sampled_count(batch))
+    return batch, out
+
+
+def run_all(sched: Scheduler, max_steps: int = 10_000) -> int:
+    steps = 0
+    while not sched.is_finished():
+        batch, _ = step(sched)
+        assert batch, "nothing scheduled while requests are unfinished (deadlock)"
+        held = sum(len(s.block_table) for s in sched.running)
+        assert held + sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+        steps += 1
+        assert steps < max_steps
+    return steps
+
+
+def test_prefill_then_decode_until_max_tokens():
+    sched = make_scheduler()
+    seq = make_seq(10, max_tokens=3)
+    sched.add(seq)
+    batch, out = step(sched)
+    assert batch.num_new_tokens == [10] and batch.num_decode_seqs == 0 and out == [seq]
+    batch, out = step(sched)
+    assert batch.num_new_tokens == [1] and batch.all_decode
+    step(sched)
+    assert seq.is_finished and seq.finish_reason == "length"
+    assert seq.completion_token_ids == [TOKEN] * 3
+    assert sched.block_manager.num_free_blocks == 64 and seq.block_table == []
+
+
+def test_new_requests_join_running_ones_between_steps():
+    sched = make_scheduler()
+    a = make_seq(10, max_tokens=10)
+    sched.add(a)
+    step(sched)
+    b = make_seq(6, max_tokens=10)
+    sched.add(b)
+    batch, _ = step(sched)
+    assert batch.seqs == [a, b] and batch.num_new_tokens == [1, 6] and batch.num_decode_seqs == 1
+
+
+def test_chunked_prefill_respects_budget_and_decodes_go_first():
+    sched = make_scheduler(max_num_batched_tokens=8)
+    a = make_seq(20, max_tokens=5)
+    b = make_seq(3, max_tokens=5)
+    sched.add(a)
+    sched.add(b)
+    chunks = []
+    while a.num_computed_tokens < 20:
+        batch, _ = step(sched)
+        chunks.append(list(zip([s is a for s in batch.seqs], batch.num_new_tokens, strict=True)))
+    assert chunks[0] == [(True, 8)]
+    assert chunks[1] == [(True, 8)]
+    assert chunks[2] == [(True, 4), (False, 3)]  # b joins with the budget a left
+    batch, _ = step(sched)
+    assert batch.num_new_tokens == [1, 1] and batch.all_decode
+
+
+def test_max_num_seqs_bounds_the_running_set():
+    sched = make_scheduler(max_num_seqs=2, max_num_batched_tokens=64)
+    seqs = [make_seq(4, max_tokens=3) for _ in range(5)]
+    for s in seqs:
+        sched.add(s)
+    batch, _ = step(sched)
+    assert batch.num_seqs == 2 and sched.num_waiting == 3
+    run_all(sched)
+    assert all(s.finish_reason == "length" for s in seqs)
+
+
+def test_stop_conditions():
+    sched = make_scheduler()
+    eos = make_seq(4, max_tokens=10)
+    ignore = make_seq(4, max_tokens=3, ignore_eos=True)
+    stop_id = make_seq(4, max_tokens=10, stop_token_ids=(9,))
+    for s in (eos, ignore, stop_id):
+        sched.add(s)
+    step(sched, token=EOS)
+    assert eos.finish_reason == "stop" and eos.completion_token_ids == [EOS]
+    assert not ignore.is_finished
+    step(sched, token=9)
+    assert stop_id.finish_reason == "stop"
+    step(sched, token=EOS)
+    assert ignore.finish_reason == "length" and ignore.completion_token_ids == [EOS, 9, EOS]
+
+
+def test_max_model_len_ends_a_request():
+    sched = make_scheduler(max_model_len=12)
+    seq = make_seq(10, max_tokens=100)
+    sched.add(seq)
+    run_all(sched)
+    assert seq.finish_reason == "length" and seq.num_tokens == 12
+
+
+def test_rejections_are_clear():
+    sched = make_scheduler(max_model_len=16, num_kv_blocks=4, max_waiting=2)
+    with pytest.raises(RequestRejected, match="max_model_len"):
+        sched.add(make_seq(16))
+    sched = make_scheduler(num_kv_blocks=4, max_waiting=2)
+    with pytest.raises(RequestRejected, match="KV cache blocks"):
+        sched.add(make_seq(10, max_tokens=20))  # could outgrow the whole cache
+    sched.add(make_seq(4))
+    sched.add(make_seq(4))
+    with pytest.raises(RequestRejected, match="queue is full"):
+        sched.add(make_seq(4))
+
+
+def test_preemption_recomputes_text_sequences_and_never_deadlocks():
+    sched = make_scheduler(num_kv_blocks=10, block_size=4, max_num_batched_tokens=16)
+    seqs = [make_seq(6, max_tokens=20) for _ in range(4)]  # each needs 7 blocks at its end
+    for s in seqs:
+        sched.add(s)
+    run_all(sched)
+    assert sched.num_preemptions > 0
+    assert all(s.finish_reason == "length" and s.completion_token_ids == [TOKEN] * 20 for s in seqs)
+    assert sched.block_manager.num_free_blocks == 10
+
+
+def test_image_sequences_reserve_their_blocks_and_are_never_preempted():
+    sched = make_scheduler(num_kv_blocks=12, block_size=4, max_num_batched_tokens=16)
+    img = make_seq(10, max_tokens=20, images=[(2, 4)])
+    texts = [make_seq(6, max_tokens=12) for _ in range(3)]
+    sched.add(img)
+    for s in texts:
+        sched.add(s)
+    step(sched)
+    assert len(img.block_table) == sched.block_manager.num_blocks_for(10 + 20 - 1)
+    run_all(sched)
+    assert img.num_preemptions == 0 and sched.num_preemptions > 0
+    assert img.completion_token_ids == [TOKEN] * 20
+    assert all(s.completion_token_ids == [TOKEN] * 12 for s in texts)
+
+
+def test_random_workload_invariants():
+    rng = random.Random(0)
+    sched = make_scheduler(
+        num_kv_blocks=24, block_size=4, max_num_batched_tokens=12, max_num_seqs=5
+    )
+    seqs = []
+    for _ in range(200):
+        if rng.random() < 0.3:
+            n = rng.randint(1, 30)
+            images = [(1, min(4, n - 1))] if n > 5 and rng.random() < 0.5 else []
+            seq = make_seq(n, max_tokens=rng.randint(1, 40), images=images)
+            try:
+                sched.add(seq)
+                seqs.append(seq)
+            except RequestRejected:
+                pass
+        if rng.random() < 0.05 and sched.running:
+            sched.finish(rng.choice(sched.running), "abort")
+        if not sched.is_finished():
+            batch, _ = step(sched)
+            assert batch
+    run_all(sched)
+    assert all(s.is_finished for s in seqs)
+    assert sched.block_manager.num_free_blocks == 24
+    for s in seqs:
+        if s.finish_reason == "length":
+            assert s.num_completion_tokens == s.sampling.max_tokens
+
+
+def test_images_are_released_after_the_chunk_covering_their_last_token():
+    sched = make_scheduler(max_num_batched_tokens=8)
+    seq = make_seq(20, images=[(3, 4), (9, 8)])
+    first, second = seq.images
+    sched.add(seq)
+    step(sched)  # tokens 0..7: covers all of the first image, part of the second
+    assert first.released and not second.released
+    step(sched)  # 8..15: the second image ends at 17
+    assert not second.released
+    step(sched)
+    assert second.released and seq.mm_bytes == 0
+
+
+def test_finish_frees_blocks_and_images_of_waiting_and_running():
+    sched = make_scheduler(max_num_seqs=1)
+    a = make_seq(10, images=[(2, 4)])
+    b = make_seq(10, images=[(2, 4)])
+    sched.add(a)
+    sched.add(b)
+    step(sched)
+    sched.finish(a, "abort")
+    sched.finish(b, "abort")
+    assert a.status == b.status == SequenceStatus.FINISHED
+    assert a.images[0].released and b.images[0].released
+    assert sched.is_finished() and sched.block_manager.num_free_blocks == 64
