@@ -1,0 +1,54 @@
+"""Resized uint8 images -> normalized patches, on the device that holds the pixels (R6).
+
+The API process sends the resized uint8 image (shared/image_resize.py); rescaling,
+normalization, temporal duplication and patch ordering happen here, equal to the
+transformers processor's `pixel_values` (PIL backend). Rescale and normalize go through a
+256-entry table per channel, computed with transformers' own arithmetic (float64
+rescale, float32 normalize), so each value is bit-identical and the work on the device is
+one gather plus one copy into patch order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from shared.model_config import ImageProcessorConfig
+
+_TABLES: dict[tuple[ImageProcessorConfig, torch.device], torch.Tensor] = {}
+
+
+def normalize_table(cfg: ImageProcessorConfig, device: torch.device) -> torch.Tensor:
+    """float32 [3 * 256]: entry c * 256 + v is the normalized value of byte v in channel c."""
+    key = (cfg, torch.device(device))
+    table = _TABLES.get(key)
+    if table is None:
+        values = (np.arange(256, dtype=np.float64) * cfg.rescale_factor).astype(np.float32)
+        mean = np.asarray(cfg.image_mean, dtype=np.float32)[:, None]
+        std = np.asarray(cfg.image_std, dtype=np.float32)[:, None]
+        table = torch.from_numpy(((values[None, :] - mean) / std).reshape(-1)).to(device)
+        _TABLES[key] = table
+    return table
+
+
+def pixels_to_patches(
+    pixels: torch.Tensor, grid_thw: tuple[int, int, int], cfg: ImageProcessorConfig
+) -> torch.Tensor:
+    """pixels uint8 [H, W, 3] (H = grid_h * patch, W = grid_w * patch) -> float32
+    [grid_t * grid_h * grid_w, 3 * temporal_patch * patch * patch], on pixels' device."""
+    t, gh, gw = (int(v) for v in grid_thw)
+    p, m, tp = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
+    if t != 1:
+        raise ValueError(f"an image has grid_t 1, got {t}")
+    if pixels.dtype != torch.uint8 or tuple(pixels.shape) != (gh * p, gw * p, 3):
+        raise ValueError(
+            f"expected uint8 pixels of shape {(gh * p, gw * p, 3)} for grid {grid_thw}, "
+            f"got {pixels.dtype} {tuple(pixels.shape)}"
+        )
+    table = normalize_table(cfg, pixels.device)
+    offsets = torch.arange(0, 3 * 256, 256, device=pixels.device)
+    values = table[pixels.long() + offsets]  # [H, W, 3]
+    # (gh/m, m, p, gw/m, m, p, C) -> (gh/m, gw/m, m, m, C, [temporal], p, p)
+    patches = values.view(gh // m, m, p, gw // m, m, p, 3).permute(0, 3, 1, 4, 6, 2, 5)
+    patches = patches.unsqueeze(5).expand(gh // m, gw // m, m, m, 3, tp, p, p)
+    return patches.reshape(gh * gw, 3 * tp * p * p)

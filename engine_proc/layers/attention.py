@@ -1,0 +1,224 @@
+"""Decoder attention over a paged KV cache, through torch's scaled_dot_product_attention.
+
+One forward runs a flat batch of token spans (see engine_proc/context.py): prefill chunks
+(q_len >= 1, possibly after earlier chunks already cached) and decodes (q_len == 1). Each
+layer writes its new K/V into `k_cache`/`v_cache` [num_blocks, block_size, kv_heads,
+head_dim] at `slot_mapping`, then attends over every sequence's cached keys gathered
+through its block table: query i of a span of q_len sees keys 0 .. seq_len - q_len + i.
+
+The layout work (which token belongs to which sequence, the masks) depends only on the
+Context, so `build_attention_metadata` does it once per forward for all layers. Nothing
+here reads a device tensor on the host: no syncs in the hot path.
+
+Sequences are padded to the longest query and the longest key range and masked, one SDPA
+call per layer, instead of a python loop per sequence (which would need the per-sequence
+lengths on the host). Padding a mixed batch to its longest query wastes work on the
+decodes, so when the Context says how many leading sequences are decodes (`num_decodes`,
+a host int) they run as a separate, unpadded decode call.
+
+The caches must not hold NaN/inf bit patterns (allocate them with torch.zeros, not
+torch.empty): padded gathers read slots past a sequence's end, masked out of the softmax,
+but 0 * NaN in the value product would still poison the output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine_proc.context import Context
+
+
+@dataclass
+class _Part:
+    """A run of sequences handled by one SDPA call, over tokens [start, end) of the batch."""
+
+    kind: str  # "decode" | "padded" | "causal"
+    start: int
+    end: int
+    block_tables: torch.Tensor | None = None  # [B, num_blocks] clamped to valid ids
+    mask: torch.Tensor | None = None  # additive, broadcast over heads
+    token_seq: torch.Tensor | None = None  # [T] sequence of each token ("padded")
+    token_pos: torch.Tensor | None = None  # [T] index of each token in its query span
+    num_seqs: int = 0
+    max_q_len: int = 0
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor | None  # None: no KV cache (profiling run)
+    parts: list[_Part]
+
+
+def _padded_part(
+    ctx: Context,
+    first_seq: int,
+    start: int,
+    end: int,
+    block_size: int,
+    dtype: torch.dtype,
+) -> _Part:
+    """Sequences first_seq.. (tokens start..end) padded to max_q_len queries x key range."""
+    qsl = ctx.query_start_loc[first_seq:].long()
+    qsl = qsl - qsl[0]
+    q_lens = qsl[1:] - qsl[:-1]
+    num_seqs = q_lens.shape[0]
+    num_tokens = end - start
+    device = qsl.device
+    token_seq = torch.repeat_interleave(
+        torch.arange(num_seqs, device=device), q_lens, output_size=num_tokens
+    )
+    token_pos = torch.arange(num_tokens, device=device) - qsl[token_seq]
+    max_q = ctx.max_q_len
+    rows = torch.arange(max_q, device=device)
+    if block_size:
+        num_blocks = -(-ctx.max_seq_len // block_size)
+        block_tables = ctx.block_tables[first_seq:, :num_blocks].long().clamp(min=0)
+        seq_lens = ctx.seq_lens[first_seq:].long()
+        keys = torch.arange(num_blocks * block_size, device=device)
+        last = (seq_lens - q_lens)[:, None] + rows  # [B, max_q] last key each query sees
+        allowed = (keys <= last[:, :, None]) & (keys < seq_lens[:, None, None])
+    else:
+        block_tables = None
+        allowed = (rows[None, :] <= rows[:, None]).expand(num_seqs, max_q, max_q)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    mask.masked_fill_(~allowed, float("-inf"))
+    return _Part(
+        "padded",
+        start,
+        end,
+        block_tables=block_tables,
+        mask=mask.unsqueeze(1),
+        token_seq=token_seq,
+        token_pos=token_pos,
+        num_seqs=num_seqs,
+        max_q_len=max_q,
+    )
+
+
+def _decode_part(ctx: Context, num_seqs: int, block_size: int, dtype: torch.dtype) -> _Part:
+    num_blocks = -(-ctx.max_seq_len // block_size)
+    block_tables = ctx.block_tables[:num_seqs, :num_blocks].long().clamp(min=0)
+    keys = torch.arange(num_blocks * block_size, device=block_tables.device)
+    allowed = keys < ctx.seq_lens[:num_seqs].long()[:, None]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    mask.masked_fill_(~allowed, float("-inf"))
+    return _Part(
+        "decode",
+        0,
+        num_seqs,
+        block_tables=block_tables,
+        mask=mask[:, None, None, :],
+        num_seqs=num_seqs,
+    )
+
+
+def build_attention_metadata(
+    ctx: Context, num_tokens: int, block_size: int, dtype: torch.dtype
+) -> AttentionMetadata:
+    """Derive the per-forward attention layout from the Context (once, for all layers).
+
+    block_size: the KV cache's, or 0 when the layers have no cache (profiling run: each
+    sequence then attends only to its own new tokens)."""
+    num_seqs = ctx.query_start_loc.shape[0] - 1
+    if not block_size:
+        if num_seqs == 1:
+            return AttentionMetadata(None, [_Part("causal", 0, num_tokens)])
+        return AttentionMetadata(None, [_padded_part(ctx, 0, 0, num_tokens, 0, dtype)])
+    slots = ctx.slot_mapping
+    if ctx.all_decode:
+        return AttentionMetadata(slots, [_decode_part(ctx, num_seqs, block_size, dtype)])
+    if num_seqs == 1 and ctx.max_seq_len == num_tokens:
+        # A whole prompt in one chunk: attend to the new keys directly, plain causal.
+        return AttentionMetadata(slots, [_Part("causal", 0, num_tokens)])
+    num_decodes = getattr(ctx, "num_decodes", 0)  # leading q_len == 1 sequences, if known
+    parts = []
+    if num_decodes:
+        parts.append(_decode_part(ctx, num_decodes, block_size, dtype))
+    parts.append(_padded_part(ctx, num_decodes, num_decodes, num_tokens, block_size, dtype))
+    return AttentionMetadata(slots, parts)
+
+
+def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """cache [blocks, block_size, H, D], tables [B, n] -> [B, H, n * block_size, D]."""
+    b, n = block_tables.shape
+    kv = cache[block_tables]  # [B, n, block_size, H, D]
+    return kv.view(b, n * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
+
+
+class Attention(nn.Module):
+    """Paged causal attention with GQA. The model runner assigns `k_cache`/`v_cache`."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.k_cache = torch.tensor([])
+        self.v_cache = torch.tensor([])
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """q [T, heads, D], k/v [T, kv_heads, D] -> [T, heads * D]."""
+        num_tokens = q.shape[0]
+        if meta.slot_mapping is not None and self.k_cache.numel():
+            flat = self.num_kv_heads * self.head_dim
+            self.k_cache.view(-1, flat).index_copy_(
+                0, meta.slot_mapping, k.reshape(num_tokens, flat)
+            )
+            self.v_cache.view(-1, flat).index_copy_(
+                0, meta.slot_mapping, v.reshape(num_tokens, flat)
+            )
+        outs = [self._part(part, q, k, v) for part in meta.parts]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)
+
+    def _part(self, part: _Part, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q = q[part.start : part.end]
+        if part.kind == "causal":
+            k, v = k[part.start : part.end], v[part.start : part.end]
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1).unsqueeze(0),
+                k.transpose(0, 1).unsqueeze(0),
+                v.transpose(0, 1).unsqueeze(0),
+                is_causal=True,
+                scale=self.scale,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )
+            return out[0].transpose(0, 1)
+        if part.kind == "decode":
+            # GQA without repeating keys: a kv head's query group acts as its query rows.
+            group = self.num_heads // self.num_kv_heads
+            out = F.scaled_dot_product_attention(
+                q.view(part.num_seqs, self.num_kv_heads, group, self.head_dim),
+                _gather_kv(self.k_cache, part.block_tables),
+                _gather_kv(self.v_cache, part.block_tables),
+                attn_mask=part.mask,
+                scale=self.scale,
+            )
+            return out.reshape(part.num_seqs, self.num_heads, self.head_dim)
+        index = (part.token_seq, part.token_pos)
+        shape = (part.num_seqs, part.max_q_len)
+        q_pad = q.new_zeros(*shape, self.num_heads, self.head_dim).index_put_(index, q)
+        if part.block_tables is not None:
+            keys = _gather_kv(self.k_cache, part.block_tables)
+            values = _gather_kv(self.v_cache, part.block_tables)
+        else:
+            k, v = k[part.start : part.end], v[part.start : part.end]
+            kv_shape = (*shape, self.num_kv_heads, self.head_dim)
+            keys = k.new_zeros(kv_shape).index_put_(index, k).transpose(1, 2)
+            values = v.new_zeros(kv_shape).index_put_(index, v).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q_pad.transpose(1, 2),
+            keys,
+            values,
+            attn_mask=part.mask,
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return out.transpose(1, 2)[index]

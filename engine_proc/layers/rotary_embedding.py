@@ -1,0 +1,96 @@
+"""Rotary position embeddings with their cos/sin tables computed once at init.
+
+Forward passes only gather rows of the tables (no cos/sin per step). Tables are computed
+in fp32 on the CPU exactly as transformers does, then moved to the device; rotation uses
+the half-split form x1*c - x2*s | x2*c + x1*s, which is bit-identical to HF's
+x*cos + rotate_half(x)*sin.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _inv_freq(dim: int, base: float) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [N, heads, D] with half tables cos/sin [N, D/2] (broadcast over heads)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos = cos.unsqueeze(-2)
+    sin = sin.unsqueeze(-2)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class MRotaryEmbedding(nn.Module):
+    """Multimodal RoPE of the Qwen2-VL decoder.
+
+    Each frequency of the head takes its position from one of the three axes (temporal,
+    height, width): the first mrope_section[0] frequencies from axis 0, and so on.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float,
+        mrope_section: tuple[int, int, int],
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        half = head_dim // 2
+        if sum(mrope_section) != half:
+            raise ValueError(f"mrope_section {mrope_section} does not cover {half} frequencies")
+        freqs = torch.arange(max_position, dtype=torch.float, device="cpu")[:, None] * _inv_freq(
+            head_dim, base
+        )
+        self.half = half
+        self.max_position = max_position
+        # Plain attributes, not buffers: they keep their dtype when the module is cast.
+        self.cos_table = freqs.cos().to(device=device, dtype=dtype).reshape(-1)
+        self.sin_table = freqs.sin().to(device=device, dtype=dtype).reshape(-1)
+        axis = torch.repeat_interleave(
+            torch.arange(3, device="cpu"), torch.tensor(mrope_section, device="cpu")
+        )
+        self.axis_of_freq = axis.to(device)
+        self.freq_index = torch.arange(half, device=device)[:, None]
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions int64 [3, T] -> half tables (cos, sin), each [T, head_dim/2]."""
+        index = positions[self.axis_of_freq] * self.half + self.freq_index  # [half, T]
+        return self.cos_table[index].t(), self.sin_table[index].t()
+
+
+class VisionRotaryEmbedding(nn.Module):
+    """2-D rotary of the vision tower: half the frequencies follow the patch row, half the
+    column. Tables cover `max_side` rows/columns and grow (rarely) for larger grids."""
+
+    def __init__(self, head_dim: int, base: float, max_side: int, device: torch.device) -> None:
+        super().__init__()
+        self.quarter = head_dim // 4
+        self.inv_freq = _inv_freq(head_dim // 2, base)
+        self.device = device
+        self.max_side = 0
+        self._build(max_side)
+
+    def _build(self, max_side: int) -> None:
+        freqs = torch.arange(max_side, dtype=torch.float, device="cpu")[:, None] * self.inv_freq
+        self.cos_table = freqs.cos().to(self.device)
+        self.sin_table = freqs.sin().to(self.device)
+        self.max_side = max_side
+
+    def ensure_side(self, side: int) -> None:
+        """Grow the tables to cover `side` (a host int: no device sync)."""
+        if side > self.max_side:
+            self._build(max(side, 2 * self.max_side))
+
+    def forward(self, pos_hw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """pos_hw int64 [N, 2] (row, column) -> fp32 half tables (cos, sin) [N, head_dim/2]."""
+        n = pos_hw.shape[0]
+        return (
+            self.cos_table[pos_hw].reshape(n, 2 * self.quarter),
+            self.sin_table[pos_hw].reshape(n, 2 * self.quarter),
+        )

@@ -1,0 +1,102 @@
+"""Qwen2 decoder with multimodal RoPE (the language model of Qwen2.5-VL)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine_proc.context import get_context
+from engine_proc.layers.activation import SiluAndMul
+from engine_proc.layers.attention import Attention, build_attention_metadata
+from engine_proc.layers.linear import MergedLinear
+from engine_proc.layers.rms_norm import RMSNorm
+from engine_proc.layers.rotary_embedding import MRotaryEmbedding, apply_rotary
+from shared.model_config import TextConfig
+
+
+class Qwen2Attention(nn.Module):
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=True)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x).view(num_tokens, -1, self.head_dim)
+        qk = apply_rotary(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.num_heads + self.num_kv_heads :]
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class Qwen2MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class Qwen2DecoderLayer(nn.Module):
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        self.self_attn = Qwen2Attention(cfg)
+        self.mlp = Qwen2MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class Qwen2Model(nn.Module):
+    def __init__(self, cfg: TextConfig, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([Qwen2DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = MRotaryEmbedding(
+            cfg.head_dim,
+            cfg.max_position_embeddings,
+            cfg.rope_theta,
+            cfg.mrope_section,
+            device=device,
+            dtype=dtype,
+        )
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """inputs_embeds [T, H], positions int64 [3, T]; attention layout from the Context."""
+        first = self.layers[0].self_attn.attn
+        block_size = first.k_cache.shape[1] if first.k_cache.numel() else 0
+        meta = build_attention_metadata(
+            get_context(), inputs_embeds.shape[0], block_size, inputs_embeds.dtype
+        )
+        cos, sin = self.rotary_emb(positions)
+        x, residual = inputs_embeds, None
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos, sin, meta)
+        x, _ = self.norm(x, residual)
+        return x
