@@ -1,0 +1,140 @@
+"""Admission control on multimodal bytes in flight in the API process (R4).
+
+A request reserves the bytes its images will need (sized from the image headers, before
+anything is decoded) and holds them until the engine holds the pixels. Requests that do not
+fit wait in FIFO order; a waiter at the head blocks the ones behind it, so big requests are
+not starved by a stream of small ones. Waiting ends with a 429 after the timeout; a single
+request larger than the whole budget gets a 413 at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+from api_proc.errors import OverBudgetError, PayloadTooLargeError
+
+
+class Reservation:
+    """Bytes held by one request; release() is idempotent and may be called in parts."""
+
+    __slots__ = ("_controller", "nbytes")
+
+    def __init__(self, controller: AdmissionController, nbytes: int):
+        self._controller = controller
+        self.nbytes = nbytes
+
+    def release(self, nbytes: int | None = None) -> None:
+        """Give back `nbytes` (all that is left when None)."""
+        n = self.nbytes if nbytes is None else min(nbytes, self.nbytes)
+        if n <= 0:
+            return
+        self.nbytes -= n
+        self._controller._give_back(n)
+
+    def shrink_to(self, nbytes: int) -> None:
+        """Keep only `nbytes` (e.g. the resized pixels once decoding is done)."""
+        self.release(max(0, self.nbytes - nbytes))
+
+    async def __aenter__(self) -> Reservation:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.release()
+
+
+class _Expired(Exception):
+    pass
+
+
+class _Waiter:
+    __slots__ = ("nbytes", "future")
+
+    def __init__(self, nbytes: int, future: asyncio.Future):
+        self.nbytes = nbytes
+        self.future = future
+
+
+class AdmissionController:
+    def __init__(self, budget_bytes: int, timeout_s: float):
+        if budget_bytes < 1:
+            raise ValueError("budget_bytes must be positive")
+        self.budget_bytes = budget_bytes
+        self.timeout_s = timeout_s
+        self._in_flight = 0
+        self._waiters: deque[_Waiter] = deque()
+
+    @property
+    def in_flight_bytes(self) -> int:
+        return self._in_flight
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiters)
+
+    def can_admit(self, nbytes: int) -> bool:
+        return not self._waiters and self._in_flight + nbytes <= self.budget_bytes
+
+    async def acquire(self, nbytes: int, timeout_s: float | None = None) -> Reservation:
+        """Reserve nbytes, waiting in FIFO order. Use as `async with await acquire(n):` or
+        call `release()` on the result in a `finally`."""
+        if nbytes > self.budget_bytes:
+            raise PayloadTooLargeError(
+                f"the request's images need {nbytes} bytes to decode and resize; the whole "
+                f"multimodal budget (mm_inflight_budget) is {self.budget_bytes} bytes",
+                code="mm_budget_too_small")
+        if self.can_admit(nbytes):
+            self._in_flight += nbytes
+            return Reservation(self, nbytes)
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(nbytes, loop.create_future())
+        self._waiters.append(waiter)
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        # Not asyncio.wait_for: on 3.11 it can swallow a cancel that lands with the grant.
+        timer = loop.call_later(timeout, self._expire, waiter)
+        try:
+            await waiter.future
+        except BaseException as e:
+            if waiter.future.done() and not waiter.future.cancelled() \
+                    and waiter.future.exception() is None:
+                self._give_back(nbytes)  # granted in the same tick as the cancel
+            else:
+                self._remove(waiter)
+            if isinstance(e, _Expired):
+                raise OverBudgetError(
+                    f"waited {timeout:g} s for {nbytes} bytes of multimodal budget "
+                    f"({self._in_flight} of {self.budget_bytes} bytes in use, "
+                    f"{len(self._waiters)} requests waiting); retry later") from None
+            raise
+        finally:
+            timer.cancel()
+        return Reservation(self, nbytes)
+
+    def _expire(self, waiter: _Waiter) -> None:
+        if not waiter.future.done():
+            waiter.future.set_exception(_Expired())
+            self._remove(waiter)
+
+    def _remove(self, waiter: _Waiter) -> None:
+        try:
+            self._waiters.remove(waiter)
+        except ValueError:
+            return
+        self._grant()  # the head may have left: the next ones may fit now
+
+    def _give_back(self, nbytes: int) -> None:
+        self._in_flight -= nbytes
+        assert self._in_flight >= 0, "admission released more bytes than it granted"
+        self._grant()
+
+    def _grant(self) -> None:
+        while self._waiters:
+            head = self._waiters[0]
+            if head.future.done():  # cancelled while queued
+                self._waiters.popleft()
+                continue
+            if self._in_flight + head.nbytes > self.budget_bytes:
+                return
+            self._waiters.popleft()
+            self._in_flight += head.nbytes
+            head.future.set_result(None)

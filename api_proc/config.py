@@ -1,0 +1,118 @@
+"""API process settings: one frozen dataclass, validated once, the only source of CLI defaults."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def _opt(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    model: str = _opt("", "local checkpoint folder (tokenizer, chat template, preprocessor)")
+    host: str = _opt("127.0.0.1", "address to listen on")
+    port: int = _opt(8000, "port to listen on")
+    served_model_name: str = _opt("", "model id clients use (default: the folder's name)")
+    api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on /v1 routes")
+    max_model_len: int = _opt(0, "prompt + completion token limit (0: the model's own)")
+    limit_mm_per_prompt: int = _opt(8, "most images in one request")
+    max_image_pixels: int = _opt(40_000_000, "most pixels an image header may declare")
+    max_image_bytes: int = _opt(20 * MiB, "most encoded bytes per image")
+    max_body_bytes: int = _opt(200 * MiB, "most bytes in one HTTP request body")
+    mm_inflight_budget: int = _opt(2 * GiB, "most multimodal bytes being prepared at once")
+    admission_timeout_s: float = _opt(30.0, "how long a request waits for budget before 429")
+    allowed_media_domains: tuple[str, ...] | None = _opt(
+        None, "hosts image URLs may name (default: any public host)"
+    )
+    allowed_local_media_path: str | None = _opt(
+        None, "folder file:// image URLs may read from (default: none)"
+    )
+    allow_private_media_addresses: bool = _opt(
+        False, "let image URLs reach loopback/private/link-local addresses"
+    )
+    media_fetch_timeout_s: float = _opt(10.0, "deadline for downloading one image")
+    media_workers: int = _opt(0, "threads decoding and resizing images (0: min(4, cpus))")
+    max_n: int = _opt(16, "most choices (n) per request")
+    engine_addresses: tuple[str, ...] = _opt((), "engine RPC addresses (ipc:// or tcp://)")
+    engine_call_timeout_s: float = _opt(5.0, "deadline for unary engine calls (abort, stats, health)")
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model: a local checkpoint folder is required")
+        if not Path(self.model).is_dir():
+            raise ValueError(f"model: {self.model} is not a folder")
+        if not self.served_model_name:
+            object.__setattr__(self, "served_model_name", Path(self.model).resolve().name)
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (use None to disable)")
+        for name in ("max_model_len", "media_workers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative")
+        for name in ("limit_mm_per_prompt",):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative")
+        for name in ("max_image_pixels", "max_image_bytes", "max_body_bytes",
+                     "mm_inflight_budget", "max_n"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("admission_timeout_s", "media_fetch_timeout_s", "engine_call_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.allowed_media_domains is not None:
+            domains = tuple(d.strip().lower().rstrip(".") for d in self.allowed_media_domains)
+            if not all(domains):
+                raise ValueError("allowed_media_domains must not contain empty names")
+            object.__setattr__(self, "allowed_media_domains", domains)
+        if self.allowed_local_media_path is not None:
+            root = Path(self.allowed_local_media_path)
+            if not root.is_dir():
+                raise ValueError(f"allowed_local_media_path: {root} is not a folder")
+            object.__setattr__(self, "allowed_local_media_path", str(root.resolve()))
+        object.__setattr__(self, "engine_addresses", tuple(self.engine_addresses))
+        for addr in self.engine_addresses:
+            if not addr.startswith(("ipc://", "tcp://", "inproc://")):
+                raise ValueError(f"engine address {addr!r} must start with ipc://, tcp:// or inproc://")
+
+    @property
+    def num_media_workers(self) -> int:
+        return self.media_workers or min(4, os.cpu_count() or 1)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Add one --flag per field; defaults and help come from the fields themselves."""
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            hint = hints[f.name]
+            kwargs: dict = {"default": f.default, "help": f.metadata.get("help", ""), "dest": f.name}
+            if hint is bool:
+                kwargs["action"] = argparse.BooleanOptionalAction
+            elif typing.get_origin(hint) is tuple or tuple in typing.get_args(hint):
+                kwargs["nargs"] = "*"
+            else:
+                base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+                kwargs["type"] = base
+            parser.add_argument(flag, **kwargs)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **overrides) -> ApiConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in vars(args).items() if k in names}
+        for k, v in values.items():
+            if isinstance(v, list):
+                values[k] = tuple(v)
+        values.update(overrides)
+        return cls(**values)

@@ -1,0 +1,119 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the right status.
+
+400 bad input, 401 bad API key, 404 unknown model or route, 413 too large, 429 over budget,
+503 no engine. 500 only for bugs. Messages never carry request payloads (R1): an error
+built from a validation failure keeps the field path, never the input value.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    status: int = 500
+    type: str = "internal_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def to_dict(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type,
+                          "param": self.param, "code": self.code}}
+
+
+class BadRequestError(APIError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class AuthenticationError(APIError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class NotFoundError(APIError):
+    status = 404
+    type = "not_found_error"
+
+
+class PayloadTooLargeError(APIError):
+    status = 413
+    type = "request_too_large"
+
+
+class OverBudgetError(APIError):
+    status = 429
+    type = "rate_limit_error"
+    code = "mm_budget_exceeded"
+
+
+class EngineUnavailableError(APIError):
+    status = 503
+    type = "service_unavailable"
+    code = "engine_unavailable"
+
+
+class EngineError(APIError):
+    """The engine failed one request (a bug or resource failure on its side)."""
+
+    status = 500
+    type = "engine_error"
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.to_dict(), status_code=err.status)
+
+
+def format_validation_errors(errors: list[dict]) -> str:
+    """One line per problem, field path first; the offending input values are left out."""
+    parts = []
+    for e in errors[:8]:
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x not in ("body",))
+        parts.append(f"{loc}: {e.get('msg', 'invalid')}" if loc else e.get("msg", "invalid"))
+    if len(errors) > 8:
+        parts.append(f"... and {len(errors) - 8} more")
+    return "; ".join(parts)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(BadRequestError(format_validation_errors(list(exc.errors()))))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            err: APIError = NotFoundError(f"no route {request.method} {request.url.path}",
+                                          code="route_not_found")
+        elif exc.status_code == 405:
+            err = BadRequestError(f"method {request.method} not allowed on {request.url.path}",
+                                  code="method_not_allowed")
+            err.status = 405
+        else:
+            err = APIError(str(exc.detail))
+            err.status = exc.status_code
+            err.type = "invalid_request_error" if exc.status_code < 500 else "internal_error"
+        return error_response(err)
+
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return error_response(APIError(f"internal error: {type(exc).__name__}"))
