@@ -1,0 +1,77 @@
+"""The `flatserve` command: `serve` (engines + API server), `soak`, `make-model`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import fields
+
+from api_proc.config import ApiConfig
+from shared.engine_config import EngineConfig
+
+# EngineConfig fields that `serve` exposes as flags; the rest are set by the launcher.
+ENGINE_FLAGS = (
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "block_size",
+    "num_kv_blocks",
+    "kv_cache_memory_bytes",
+    "max_waiting",
+    "device",
+    "dtype",
+)
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--engines", type=int, default=1, help="engine processes to spawn")
+    group.add_argument("--engine-start-timeout", type=float, default=600.0,
+                       help="seconds each engine may take to load and report ready")
+    defaults = {f.name: f.default for f in fields(EngineConfig)}
+    for name in ENGINE_FLAGS:
+        default = defaults[name]
+        kind = int if isinstance(default, int) else str
+        group.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=default)
+
+
+def build_serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    ApiConfig.add_cli_args(parser)
+    _add_engine_args(parser)
+    parser.add_argument("--log-level", default="info",
+                        choices=["debug", "info", "warning", "error", "critical"])
+    return parser
+
+
+def serve(args: argparse.Namespace) -> int:
+    from api_proc.serve import run_server
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s api %(levelname)s %(name)s: %(message)s")
+    return run_server(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="flatserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    build_serve_parser(sub.add_parser("serve", help="spawn engines and serve the OpenAI-compatible API"))
+    sub.add_parser("soak", help="RSS soak test (options: flatserve soak --help)", add_help=False)
+    make = sub.add_parser("make-model", help="write the tiny default checkpoint and print its folder")
+    make.add_argument("--out", help="write a fresh copy into this folder instead of the cache")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["soak"]:
+        from api_proc.soak import main as soak_main
+
+        return soak_main(argv[1:])
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    from shared.tiny_checkpoint import ensure_tiny_checkpoint, write_tiny_checkpoint
+
+    print(write_tiny_checkpoint(args.out) if args.out else ensure_tiny_checkpoint())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

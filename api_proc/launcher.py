@@ -1,0 +1,96 @@
+"""Spawns the engine processes, waits until each is ready, watches them, and stops them."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from rpc import Codec, RpcClient
+from shared.engine_config import EngineConfig
+from shared.memory import MALLOC_ENV, glibc_tuning_enabled
+from shared.messages import WIRE_TYPES
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStartError(RuntimeError):
+    pass
+
+
+@dataclass
+class EngineHandle:
+    config: EngineConfig
+    process: subprocess.Popen
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+
+def engine_env() -> dict[str, str]:
+    env = dict(os.environ)
+    if glibc_tuning_enabled():
+        for key, value in MALLOC_ENV.items():
+            env.setdefault(key, value)
+    return env
+
+
+def spawn_engine(config: EngineConfig) -> EngineHandle:
+    command = [sys.executable, "-m", "engine_proc.main", "--config-json", config.to_json()]
+    process = subprocess.Popen(command, env=engine_env(), start_new_session=False)
+    return EngineHandle(config, process)
+
+
+async def _wait_ready(handle: EngineHandle, deadline: float) -> None:
+    client = RpcClient(handle.config.address, Codec(types=WIRE_TYPES))
+    try:
+        while time.monotonic() < deadline:
+            if not handle.alive:
+                raise EngineStartError(
+                    f"engine {handle.config.rank} exited with code {handle.process.returncode} "
+                    "while starting (see its log above)"
+                )
+            try:
+                await client.call("health", timeout=1.0)
+                return
+            except Exception:  # not bound yet or still loading the model
+                await asyncio.sleep(0.2)
+        raise EngineStartError(f"engine {handle.config.rank} not ready after its start timeout")
+    finally:
+        await client.close()
+
+
+def start_engines(configs: list[EngineConfig], timeout_s: float = 600.0) -> list[EngineHandle]:
+    """Spawn every engine and wait until each answers `health`; on any failure stop them all."""
+    handles = [spawn_engine(c) for c in configs]
+    deadline = time.monotonic() + timeout_s
+
+    async def wait_all() -> None:
+        await asyncio.gather(*(_wait_ready(h, deadline) for h in handles))
+
+    try:
+        asyncio.run(wait_all())
+    except BaseException:
+        stop_engines(handles)
+        raise
+    return handles
+
+
+def stop_engines(handles: list[EngineHandle], grace_s: float = 10.0) -> None:
+    for handle in handles:
+        if handle.alive:
+            handle.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for handle in handles:
+        try:
+            handle.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            logger.warning("engine %d did not stop in %.0fs; killing it", handle.config.rank, grace_s)
+            handle.process.kill()
+            handle.process.wait()

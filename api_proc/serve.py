@@ -1,0 +1,67 @@
+"""`flatserve serve`: spawn the engines, wait until ready, serve HTTP, stop everything."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from api_proc.cli import DEFAULT_MAX_MODEL_LEN, ENGINE_FLAGS
+from api_proc.config import ApiConfig
+from api_proc.launcher import EngineStartError, start_engines, stop_engines
+from rpc import IpcDir
+from shared.engine_config import EngineConfig
+from shared.memory import MALLOC_ENV, apply_malloc_settings
+from shared.process import set_process_title
+
+logger = logging.getLogger(__name__)
+
+
+def _resolve_model(args: argparse.Namespace) -> tuple[str, str]:
+    """(checkpoint folder, served model name)."""
+    if args.model:
+        return args.model, args.served_model_name or args.model
+    from shared.tiny_checkpoint import ensure_tiny_checkpoint
+
+    path = str(ensure_tiny_checkpoint())
+    return path, args.served_model_name or "flatserve-tiny-qwen2.5-vl"
+
+
+def run_server(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from api_proc.app import build_app
+
+    set_process_title("flatserve: api")
+    apply_malloc_settings()
+    model, served_name = _resolve_model(args)
+    max_model_len = args.max_model_len or DEFAULT_MAX_MODEL_LEN
+    if args.engines < 1:
+        raise SystemExit("--engines must be at least 1")
+    ipc_dir = IpcDir(prefix="flatserve-")
+    engine_kwargs = {name: getattr(args, name) for name in ENGINE_FLAGS}
+    configs = [
+        EngineConfig(model=model, address=ipc_dir.address(f"engine{rank}"), rank=rank,
+                     max_model_len=max_model_len, log_level=args.log_level, **engine_kwargs)
+        for rank in range(args.engines)
+    ]
+    handles = []
+    try:
+        try:
+            handles = start_engines(configs, timeout_s=args.engine_start_timeout)
+        except EngineStartError as exc:
+            logger.error("%s", exc)
+            return 1
+        config = ApiConfig.from_cli_args(
+            args, model=model, served_model_name=served_name, max_model_len=max_model_len,
+            engine_addresses=tuple(c.address for c in configs),
+        )
+        app = build_app(config, engine_processes=[h.process for h in handles])
+        logger.info("serving %s on http://%s:%d (glibc: %s)", served_name, config.host, config.port,
+                    ", ".join(f"{k}={v}" for k, v in MALLOC_ENV.items()))
+        uvicorn.run(app, host=config.host, port=config.port, loop="uvloop",
+                    log_level=args.log_level, timeout_graceful_shutdown=5)
+        return 0
+    finally:
+        stop_engines(handles)
+        ipc_dir.close()
+

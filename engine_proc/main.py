@@ -1,0 +1,36 @@
+"""Entry point of one engine process: `python -m engine_proc.main --config-json '{...}'`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+from shared.engine_config import EngineConfig
+from shared.process import die_with_parent, set_process_title
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="flatserve engine worker process")
+    parser.add_argument("--config-json", required=True, help="EngineConfig as JSON")
+    args = parser.parse_args(argv)
+    config = EngineConfig.from_json(args.config_json)
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format=f"%(asctime)s engine{config.rank} %(levelname)s %(name)s: %(message)s",
+    )
+    set_process_title(f"flatserve: engine {config.rank}")
+    die_with_parent()
+
+    from engine_proc.engine_process import EngineProcess
+
+    process = EngineProcess(config)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: process.stop())
+    process.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

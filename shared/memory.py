@@ -1,0 +1,63 @@
+"""Process memory helpers: glibc allocator settings and RSS readings."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+
+import psutil
+
+# Set in the environment of every spawned flatserve process (see README, "Memory").
+MALLOC_ENV = {
+    # A fixed mmap threshold: glibc's dynamic threshold otherwise rises after the first large
+    # free, so later image-sized buffers land on the heap, where freeing them rarely returns
+    # memory to the OS.
+    "MALLOC_MMAP_THRESHOLD_": str(256 * 1024),
+    # Fewer per-thread arenas: each arena keeps its own freed memory.
+    "MALLOC_ARENA_MAX": "2",
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 20),
+}
+
+
+def _libc():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+
+# mallopt parameter numbers from glibc's malloc.h.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
+
+
+def glibc_tuning_enabled() -> bool:
+    """FLATSERVE_GLIBC_TUNING=0 turns the settings off, to measure what they change."""
+    return os.environ.get("FLATSERVE_GLIBC_TUNING", "1") != "0"
+
+
+def apply_malloc_settings() -> None:
+    """Apply MALLOC_ENV to this already-running process through mallopt (the environment
+    variables only take effect in processes started with them)."""
+    if _LIBC is None or not glibc_tuning_enabled() or not hasattr(_LIBC, "mallopt"):
+        return
+    _LIBC.mallopt(_M_MMAP_THRESHOLD, int(MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"]))
+    _LIBC.mallopt(_M_ARENA_MAX, int(MALLOC_ENV["MALLOC_ARENA_MAX"]))
+    _LIBC.mallopt(_M_TRIM_THRESHOLD, int(MALLOC_ENV["MALLOC_TRIM_THRESHOLD_"]))
+
+
+def release_freed_memory() -> None:
+    """Hand memory that glibc holds after large frees back to the OS (malloc_trim)."""
+    if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
+        _LIBC.malloc_trim(0)
+
+
+def rss_bytes(pid: int | None = None) -> int:
+    return psutil.Process(pid or os.getpid()).memory_info().rss
