@@ -1,0 +1,421 @@
+"""Fetch, check and decode request images; hand on only resized uint8 pixels + grid (R6).
+
+Two steps so admission can size a request before any pixel is decoded (R4):
+
+    encoded = await loader.fetch(ref)      # bytes + what the header says (w x h, grid)
+    image = await loader.decode(encoded)   # ImageInput; takes encoded.data
+
+Sources: data URLs (base64), http(s) URLs (public addresses only unless allowed, optional
+host allowlist, redirects re-checked, DNS answer pinned for the connection, streamed with a
+size cap) and file:// URLs under `allowed_local_media_path` (none by default).
+
+Base64 decoding, header probing, decoding and resizing run in a thread pool, never on the
+event loop. Threads, not processes: PIL releases the GIL while it decodes and resizes, and a
+process pool would pickle the encoded bytes there and the pixels back (two extra copies per
+image); measured with scripts/bench_media_pool.py.
+
+R1: `MediaRef.take()` and `EncodedImage.take()` move the URL string and the encoded bytes
+out of their holders, so once a step has run nothing the caller holds still reaches them;
+the PIL image lives only inside the worker function.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import binascii
+import io
+import ipaddress
+import os
+import socket
+import stat
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import unquote, urljoin, urlsplit
+
+import httpx
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from api_proc.config import ApiConfig
+from api_proc.errors import BadRequestError, PayloadTooLargeError
+from shared.image_resize import resize_image, smart_resize
+from shared.messages import ImageInput
+from shared.model_config import ImageProcessorConfig
+
+ALLOWED_FORMATS = frozenset({"JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF"})
+MAX_REDIRECTS = 5
+_ORIENTATION_TAG = 0x0112
+_SWAPS_SIDES = frozenset({5, 6, 7, 8})
+
+
+class MediaRef:
+    """Holder of one image URL; the loader takes the string out (R1)."""
+
+    __slots__ = ("url",)
+
+    def __init__(self, url: str):
+        self.url: str | None = url
+
+    def take(self) -> str:
+        url, self.url = self.url, None
+        if url is None:
+            raise RuntimeError("image URL already taken")
+        return url
+
+
+@dataclass
+class EncodedImage:
+    """Encoded bytes of one image plus what its header says. `take()` moves the bytes out."""
+
+    data: bytes | None
+    format: str
+    mode: str
+    width: int  # as displayed, after the EXIF orientation
+    height: int
+    orientation: int
+    has_alpha: bool
+    grid_thw: tuple[int, int, int]
+    resized_hw: tuple[int, int]
+
+    def take(self) -> bytes:
+        data, self.data = self.data, None
+        if data is None:
+            raise RuntimeError("image bytes already taken")
+        return data
+
+    @property
+    def resized_bytes(self) -> int:
+        """Bytes of the uint8 pixels handed to the engine."""
+        return self.resized_hw[0] * self.resized_hw[1] * 3
+
+    @property
+    def need_bytes(self) -> int:
+        """Peak bytes while this image is decoded and resized, counted before decoding for
+        admission. PIL keeps 1, 2 or 4 bytes a pixel (RGB as 4); resize_image makes an RGB
+        copy (three more images when transparency is composited on white), then the resized
+        PIL image and its uint8 array."""
+        pixels = self.width * self.height
+        size = pixels * (_pil_pixel_size(self.mode) + 4)
+        if self.has_alpha:
+            size += pixels * 12
+        if self.orientation != 1:
+            size += pixels * 4  # the transposed copy
+        return size + self.resized_hw[0] * self.resized_hw[1] * 4 + self.resized_bytes
+
+
+def _pil_pixel_size(mode: str) -> int:
+    if mode in ("1", "L", "P"):
+        return 1
+    if mode.startswith("I;16"):
+        return 2
+    return 4
+
+
+# ------------------------------------------------------------------ worker-pool jobs
+
+
+def decode_data_url(url: str, max_bytes: int) -> bytes:
+    head, sep, _ = url[:256].partition(",")
+    if not sep or not head.lower().startswith("data:"):
+        raise BadRequestError("malformed data URL: expected data:<mime>;base64,<data>",
+                              param="image_url")
+    meta = head[5:].lower().split(";")
+    if "base64" not in meta[1:]:
+        raise BadRequestError("data URLs must be base64-encoded", param="image_url")
+    if meta[0] and not meta[0].startswith("image/"):
+        raise BadRequestError(f"data URL media type {meta[0]!r} is not an image", param="image_url")
+    start = len(head) + 1
+    if (len(url) - start) * 3 // 4 > max_bytes + 2:
+        raise PayloadTooLargeError(f"image is larger than max_image_bytes={max_bytes} bytes",
+                                   param="image_url", code="image_too_large")
+    try:
+        data = binascii.a2b_base64(url[start:])
+    except (binascii.Error, ValueError):
+        data = None
+    if data is None:
+        raise BadRequestError("data URL is not valid base64", param="image_url")
+    if len(data) > max_bytes:
+        raise PayloadTooLargeError(f"image is larger than max_image_bytes={max_bytes} bytes",
+                                   param="image_url", code="image_too_large")
+    return data
+
+
+def read_local_file(path_text: str, root: str, max_bytes: int) -> bytes:
+    path = Path(path_text)
+    if not path.is_absolute():
+        raise BadRequestError("file:// image URLs need an absolute path", param="image_url")
+    try:
+        real = path.resolve(strict=True)  # follows symlinks and '..'
+    except (OSError, RuntimeError):
+        real = None
+    if real is None:
+        raise BadRequestError("image file not found", param="image_url")
+    if not real.is_relative_to(root):
+        raise BadRequestError("image file is outside allowed_local_media_path", param="image_url")
+    try:  # O_NONBLOCK: a FIFO planted under the folder must not hang a worker
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        fd = -1
+    if fd < 0:
+        raise BadRequestError("image file cannot be opened", param="image_url")
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise BadRequestError("image path is not a regular file", param="image_url")
+    if info.st_size > max_bytes:
+        os.close(fd)
+        raise PayloadTooLargeError(f"image is larger than max_image_bytes={max_bytes} bytes",
+                                   param="image_url", code="image_too_large")
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise PayloadTooLargeError(f"image is larger than max_image_bytes={max_bytes} bytes",
+                                   param="image_url", code="image_too_large")
+    return data
+
+
+def probe_image(data: bytes, max_pixels: int, cfg: ImageProcessorConfig) -> EncodedImage:
+    """Read the header only (no pixel is decoded) and size the image; refuse bombs here."""
+    problem = None
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            fmt, mode = img.format or "", img.mode
+            width, height = img.size
+            orientation = 1
+            has_alpha = "A" in mode or img.info.get("transparency") is not None
+            if fmt in ALLOWED_FORMATS and width * height <= max_pixels:
+                orientation = int(img.getexif().get(_ORIENTATION_TAG, 1) or 1)
+    except Image.DecompressionBombError:
+        problem = f"image declares more pixels than max_image_pixels={max_pixels}"
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
+        problem = "image data is not a supported image (JPEG, PNG, WEBP, GIF, BMP, TIFF)"
+    if problem is not None:
+        raise BadRequestError(problem, param="image_url", code="invalid_image")
+    if fmt not in ALLOWED_FORMATS:
+        raise BadRequestError(f"image format {fmt or 'unknown'} is not supported",
+                              param="image_url", code="invalid_image")
+    if width < 1 or height < 1:
+        raise BadRequestError("image has no pixels", param="image_url", code="invalid_image")
+    if width * height > max_pixels:
+        raise BadRequestError(f"image is {width}x{height} = {width * height} pixels; "
+                              f"max_image_pixels is {max_pixels}",
+                              param="image_url", code="image_too_many_pixels")
+    if orientation in _SWAPS_SIDES:
+        width, height = height, width
+    rh, rw = _smart_resize(height, width, cfg)
+    p = cfg.patch_size
+    return EncodedImage(data=data, format=fmt, mode=mode, width=width, height=height,
+                        orientation=orientation, has_alpha=has_alpha, grid_thw=(1, rh // p, rw // p),
+                        resized_hw=(rh, rw))
+
+
+def _smart_resize(height: int, width: int, cfg: ImageProcessorConfig) -> tuple[int, int]:
+    try:
+        return smart_resize(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
+    except ValueError as e:  # e.g. extreme aspect ratio
+        message = f"image of {width}x{height} cannot be resized for the model: {e}"
+    raise BadRequestError(message, param="image_url", code="invalid_image")
+
+
+def decode_and_resize(data: bytes, cfg: ImageProcessorConfig,
+                      expect_grid: tuple[int, int, int]) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """Decode, apply the EXIF orientation, resize. Runs in a pool thread."""
+    problem = None
+    try:
+        pixels, grid = _decode_and_resize(data, cfg)
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+        problem = f"image cannot be decoded: {type(e).__name__}"
+    data = None  # R1: an error raised below must not pin the encoded bytes in this frame
+    if problem is not None:
+        raise BadRequestError(problem, param="image_url", code="invalid_image")
+    if tuple(grid) != tuple(expect_grid):
+        raise BadRequestError("image pixels do not match the size its header declares",
+                              param="image_url", code="invalid_image")
+    return pixels, tuple(int(g) for g in grid)
+
+
+def _decode_and_resize(data: bytes, cfg: ImageProcessorConfig):
+    # The PIL images live only in this frame: gone when it returns or its error is handled.
+    with Image.open(io.BytesIO(data)) as img:
+        img.seek(0)
+        img.load()
+        if _orientation(img) != 1:
+            with ImageOps.exif_transpose(img) as oriented:
+                return resize_image(oriented, cfg)
+        return resize_image(img, cfg)
+
+
+def _orientation(img: Image.Image) -> int:
+    return int(img.getexif().get(_ORIENTATION_TAG, 1) or 1)
+
+
+# ------------------------------------------------------------------ address checks
+
+
+def is_public_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    if isinstance(ip, ipaddress.IPv6Address):
+        mapped = ip.ipv4_mapped or ip.sixtofour
+        if mapped is not None:
+            return is_public_address(mapped)
+    return not (ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_multicast
+                or ip.is_reserved or ip.is_unspecified or not ip.is_global)
+
+
+# ------------------------------------------------------------------ the loader
+
+
+class MediaLoader:
+    def __init__(self, config: ApiConfig, image_config: ImageProcessorConfig,
+                 executor: Executor | None = None):
+        self.config = config
+        self.image_config = image_config
+        self._own_executor = executor is None
+        self._executor = executor or ThreadPoolExecutor(config.num_media_workers,
+                                                        thread_name_prefix="flatserve-media")
+        self._http: httpx.AsyncClient | None = None
+
+    async def aclose(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+        if self._own_executor:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    # -- step 1: bytes and header
+
+    async def fetch(self, ref: MediaRef) -> EncodedImage:
+        """Encoded bytes of the image `ref` names, with its header checked and sized."""
+        data = await self.fetch_bytes(ref)
+        return await self._run(probe_image, data, self.config.max_image_pixels, self.image_config)
+
+    async def fetch_bytes(self, ref: MediaRef) -> bytes:
+        url = ref.take()
+        scheme = url[:8].split(":", 1)[0].lower()
+        max_bytes = self.config.max_image_bytes
+        if scheme == "data":
+            return await self._run(decode_data_url, url, max_bytes)
+        if scheme in ("http", "https"):
+            return await self._fetch_http(url)
+        if scheme == "file":
+            root = self.config.allowed_local_media_path
+            if root is None:
+                raise BadRequestError("file:// image URLs are disabled (no "
+                                      "allowed_local_media_path)", param="image_url")
+            parts = urlsplit(url)
+            if parts.netloc not in ("", "localhost"):
+                raise BadRequestError("file:// image URLs must name a local path",
+                                      param="image_url")
+            return await self._run(read_local_file, unquote(parts.path), root, max_bytes)
+        raise BadRequestError("image_url must be a data:, http(s):// or file:// URL",
+                              param="image_url")
+
+    # -- step 2: pixels
+
+    async def decode(self, image: EncodedImage) -> ImageInput:
+        """Resized uint8 pixels + grid; moves the encoded bytes out of `image` (R1)."""
+        grid = image.grid_thw
+        pixels, grid = await self._run(decode_and_resize, image.take(), self.image_config, grid)
+        return ImageInput(pixels=pixels, grid_thw=grid)
+
+    # -- http(s)
+
+    def _client(self) -> httpx.AsyncClient:
+        if self._http is None:
+            # No keep-alive: connections are made to a pinned IP with the name only in SNI and
+            # Host, and a pooled connection must never serve another name.
+            self._http = httpx.AsyncClient(
+                follow_redirects=False, trust_env=False,
+                limits=httpx.Limits(max_keepalive_connections=0),
+                timeout=httpx.Timeout(self.config.media_fetch_timeout_s))
+        return self._http
+
+    def _check_host(self, host: str) -> None:
+        allowed = self.config.allowed_media_domains
+        if allowed is not None and host.lower().rstrip(".") not in allowed:
+            raise BadRequestError(f"image host {host!r} is not in allowed_media_domains",
+                                  param="image_url", code="media_host_not_allowed")
+
+    async def _resolve(self, host: str, port: int) -> str:
+        """One IP for `host`, every answer checked; the connection is pinned to it so a second
+        DNS lookup cannot point somewhere else (rebinding)."""
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(host, port,
+                                                                 type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError):
+            infos = []
+        if not infos:
+            raise BadRequestError(f"image host {host!r} cannot be resolved", param="image_url")
+        ips = [ipaddress.ip_address(info[4][0].split("%", 1)[0]) for info in infos]
+        if not self.config.allow_private_media_addresses:
+            for ip in ips:
+                if not is_public_address(ip):
+                    raise BadRequestError(
+                        f"image host {host!r} resolves to a non-public address ({ip}); "
+                        "refused", param="image_url", code="media_host_not_allowed")
+        return str(ips[0])
+
+    async def _fetch_http(self, url: str) -> bytes:
+        timeout = self.config.media_fetch_timeout_s
+        try:
+            return await asyncio.wait_for(self._follow(url), timeout)
+        except asyncio.TimeoutError:
+            message = f"fetching the image took longer than media_fetch_timeout_s={timeout:g}"
+        except httpx.HTTPError as e:
+            message = f"fetching the image failed: {type(e).__name__}"
+        raise BadRequestError(message, param="image_url", code="media_fetch_failed")
+
+    async def _follow(self, url: str) -> bytes:
+        for _ in range(MAX_REDIRECTS + 1):
+            target = httpx.URL(url)
+            if target.scheme not in ("http", "https") or not target.host:
+                raise BadRequestError("image URL redirected to a non-http(s) URL",
+                                      param="image_url")
+            self._check_host(target.host)
+            port = target.port or (443 if target.scheme == "https" else 80)
+            ip = await self._resolve(target.host, port)
+            headers = {"Host": target.netloc.decode("ascii"), "Accept-Encoding": "identity",
+                       "Accept": "image/*"}
+            extensions = {"sni_hostname": target.host} if target.scheme == "https" else {}
+            request = self._client().build_request("GET", target.copy_with(host=ip),
+                                                   headers=headers, extensions=extensions)
+            response = await self._client().send(request, stream=True)
+            try:
+                if response.is_redirect:
+                    location = response.headers.get("location")
+                    if not location:
+                        raise BadRequestError("image URL redirect has no location",
+                                              param="image_url")
+                    url = urljoin(url, location)
+                    continue
+                return await self._read_body(response)
+            finally:
+                await response.aclose()
+        raise BadRequestError(f"image URL redirected more than {MAX_REDIRECTS} times",
+                              param="image_url")
+
+    async def _read_body(self, response: httpx.Response) -> bytes:
+        max_bytes = self.config.max_image_bytes
+        if response.status_code != 200:
+            raise BadRequestError(f"image URL answered HTTP {response.status_code}",
+                                  param="image_url", code="media_fetch_failed")
+        encoding = response.headers.get("content-encoding", "identity").lower()
+        if encoding not in ("identity", ""):
+            raise BadRequestError(f"image URL sent content-encoding {encoding!r}",
+                                  param="image_url", code="media_fetch_failed")
+        declared = response.headers.get("content-length")
+        too_large = PayloadTooLargeError(f"image is larger than max_image_bytes={max_bytes} bytes",
+                                         param="image_url", code="image_too_large")
+        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+            raise too_large
+        chunks: list[bytes] = []
+        total = 0
+        async for chunk in response.aiter_raw():
+            total += len(chunk)
+            if total > max_bytes:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)

@@ -1,0 +1,131 @@
+"""Fixtures for the API process tests: configs, encoded test images, a local HTTP server."""
+
+from __future__ import annotations
+
+import base64
+import io
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from api_proc.config import ApiConfig
+from shared.model_config import load_model_config
+
+
+def encode_image(width: int = 64, height: int = 48, fmt: str = "PNG", mode: str = "RGB",
+                 seed: int = 0, exif_orientation: int | None = None) -> bytes:
+    rng = np.random.default_rng(seed)
+    channels = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
+    arr = rng.integers(0, 256, size=(height, width, channels), dtype=np.uint8)
+    img = Image.fromarray(arr[..., 0] if channels == 1 else arr, mode)
+    buf = io.BytesIO()
+    kwargs = {}
+    if exif_orientation is not None:
+        exif = Image.Exif()
+        exif[0x0112] = exif_orientation
+        kwargs["exif"] = exif
+    img.save(buf, fmt, **kwargs)
+    return buf.getvalue()
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+@pytest.fixture(scope="session")
+def image_config(tiny_model_path):
+    return load_model_config(tiny_model_path).image
+
+
+@pytest.fixture
+def make_config(tiny_model_path):
+    def make(**kw) -> ApiConfig:
+        return ApiConfig(model=str(tiny_model_path), **kw)
+    return make
+
+
+class _Handler(BaseHTTPRequestHandler):
+    routes: dict = {}
+
+    def log_message(self, *args):  # keep test output quiet
+        pass
+
+    def do_GET(self):  # noqa: N802
+        path = self.path.split("?", 1)[0]
+        route = self.routes.get(path)
+        if route is None:
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        route(self)
+
+
+class LocalHTTPServer:
+    """A threaded HTTP server on 127.0.0.1 with per-test routes."""
+
+    def __init__(self):
+        handler = type("Handler", (_Handler,), {"routes": {}})
+        self.routes = handler.routes
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def url(self, path: str, host: str = "127.0.0.1") -> str:
+        return f"http://{host}:{self.port}{path}"
+
+    def serve_bytes(self, path: str, body: bytes, content_type: str = "image/png",
+                    chunked: bool = False, headers: dict | None = None) -> str:
+        def route(h):
+            h.send_response(200)
+            h.send_header("Content-Type", content_type)
+            for k, v in (headers or {}).items():
+                h.send_header(k, v)
+            if chunked:
+                h.send_header("Transfer-Encoding", "chunked")
+                h.end_headers()
+                for i in range(0, len(body), 65536):
+                    part = body[i:i + 65536]
+                    h.wfile.write(f"{len(part):x}\r\n".encode() + part + b"\r\n")
+                h.wfile.write(b"0\r\n\r\n")
+            else:
+                h.send_header("Content-Length", str(len(body)))
+                h.end_headers()
+                h.wfile.write(body)
+        self.routes[path] = route
+        return self.url(path)
+
+    def redirect(self, path: str, location: str) -> str:
+        def route(h):
+            h.send_response(302)
+            h.send_header("Location", location)
+            h.send_header("Content-Length", "0")
+            h.end_headers()
+        self.routes[path] = route
+        return self.url(path)
+
+    def slow(self, path: str, delay_s: float) -> str:
+        def route(h):
+            time.sleep(delay_s)
+            h.send_response(200)
+            h.send_header("Content-Length", "0")
+            h.end_headers()
+        self.routes[path] = route
+        return self.url(path)
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def http_server():
+    server = LocalHTTPServer()
+    yield server
+    server.close()
