@@ -12,6 +12,7 @@ import logging
 import numpy as np
 
 from engine_proc.model_runner import ModelRunner
+from engine_proc.models.mrope import compute_mrope_positions
 from engine_proc.scheduler import RequestRejected, ScheduledBatch, Scheduler
 from engine_proc.sequence import ImageSpan, Sequence
 from shared.messages import EngineStats, GenerateRequest, ImageInput, RequestOutput
@@ -115,13 +116,16 @@ class LLMEngine:
         return outputs
 
     def generate(self, requests: list[GenerateRequest]) -> dict[str, list[int]]:
-        """Run requests to completion; returns the completion token ids by request id."""
+        """Run requests (and any already queued) to completion; returns the completion
+        token ids of `requests` by request id."""
         results: dict[str, list[int]] = {}
         for request in requests:
             self.add_request(request)
             results[request.request_id] = []
         while self.has_unfinished_requests():
             for output in self.step():
+                if output.request_id not in results:
+                    continue  # added earlier through add_request
                 if output.error is not None:
                     raise RuntimeError(f"request {output.request_id} failed: {output.error}")
                 results[output.request_id].extend(output.new_token_ids)
@@ -175,7 +179,22 @@ class LLMEngine:
         if (token_ids == self.config.video_token_id).any():
             raise RequestRejected("video inputs are not supported")
         images = self._image_spans(token_ids, request.images)
-        return Sequence(request.request_id, token_ids.tolist(), request.sampling, images)
+        seq = Sequence(request.request_id, token_ids.tolist(), request.sampling, images)
+        if images:
+            # computed once per sequence; chunks and decodes slice it or add mrope_delta
+            try:
+                positions, delta = compute_mrope_positions(
+                    token_ids,
+                    [image.grid_thw for image in images],
+                    self.config.image_token_id,
+                    self.config.vision_start_token_id,
+                    self.config.vision.spatial_merge_size,
+                )
+            except ValueError as exc:
+                raise RequestRejected(f"bad image placement in prompt: {exc}") from None
+            seq.mrope_positions = np.ascontiguousarray(positions, dtype=np.int64)
+            seq.mrope_delta = int(delta)
+        return seq
 
     def _image_spans(self, token_ids: np.ndarray, images: list[ImageInput]) -> list[ImageSpan]:
         """Match each image to its run of placeholder tokens, checking the geometry."""

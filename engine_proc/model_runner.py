@@ -67,7 +67,6 @@ class ModelRunner:
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
     ):
-        from engine_proc.models.mrope import compute_mrope_positions
         from engine_proc.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 
         self.config = config
@@ -75,7 +74,6 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, config)
         self.block_size = block_size
         self.on_cuda = self.device.type == "cuda"
-        self.compute_mrope_positions = compute_mrope_positions
         self.model = Qwen2_5_VLForConditionalGeneration(config, self.device, self.dtype)
         self.model.load_weights(config.path)
         self.model.eval()
@@ -197,6 +195,8 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
             all_decode=batch.all_decode,
         )
+        # optional hint read by layers/attention.py: the leading q_len == 1 sequences
+        context.num_decodes = batch.num_decode_seqs
         return (
             self._to_device(input_ids),
             self._to_device(positions),
@@ -238,8 +238,6 @@ class ModelRunner:
         for i, (seq, num_new) in enumerate(zip(seqs, num_new_tokens, strict=True)):
             start = seq.num_computed_tokens
             end = start + num_new
-            if seq.has_images and seq.mrope_positions is None:
-                self._compute_mrope(seq)
             input_ids.append(np.asarray(seq.token_ids[start:end], dtype=np.int64))
             positions.append(self._positions(seq, start, end))
             idx = np.arange(start, end)
@@ -258,18 +256,6 @@ class ModelRunner:
             tables,
             np.asarray(samples, dtype=bool),
         )
-
-    def _compute_mrope(self, seq: Sequence) -> None:
-        vision = self.config.vision
-        positions, delta = self.compute_mrope_positions(
-            seq.token_ids[: seq.num_prompt_tokens],
-            [image.grid_thw for image in seq.images],
-            self.config.image_token_id,
-            self.config.vision_start_token_id,
-            vision.spatial_merge_size,
-        )
-        seq.mrope_positions = np.ascontiguousarray(positions, dtype=np.int64)
-        seq.mrope_delta = int(delta)
 
     @staticmethod
     def _positions(seq: Sequence, start: int, end: int) -> np.ndarray:
