@@ -32,6 +32,13 @@ class Reservation:
         self.nbytes -= n
         self._controller._give_back(n)
 
+    def transfer(self) -> Reservation:
+        """Move what is left into a new Reservation (for a callback that outlives the
+        caller's `finally`); this one then holds nothing."""
+        moved = Reservation(self._controller, self.nbytes)
+        self.nbytes = 0
+        return moved
+
     def shrink_to(self, nbytes: int) -> None:
         """Keep only `nbytes` (e.g. the resized pixels once decoding is done)."""
         self.release(max(0, self.nbytes - nbytes))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -129,3 +130,122 @@ def http_server():
     server = LocalHTTPServer()
     yield server
     server.close()
+
+
+# ------------------------------------------------------------------ engine double + app server
+
+REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
+
+
+class EngineDoubleProcess:
+    """tests/api_proc/engine_double.py in a subprocess, serving a real rpc socket."""
+
+    def __init__(self, address: str, model_dir: str):
+        import subprocess
+        import sys
+
+        self.address = address
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.api_proc.engine_double", address, model_dir],
+            cwd=REPO, stdout=subprocess.PIPE, text=True)
+        line = self.process.stdout.readline()
+        if line.strip() != "ready":
+            self.process.kill()
+            raise RuntimeError(f"engine double did not start: {line!r}")
+
+    def call(self, method: str, *args, timeout: float = 5.0):
+        import asyncio
+
+        from rpc import Codec, RpcClient
+        from shared.messages import WIRE_TYPES
+
+        async def go():
+            async with RpcClient(self.address, Codec(types=WIRE_TYPES)) as client:
+                return await client.call(method, *args, timeout=timeout)
+        return asyncio.run(go())
+
+    def log(self) -> dict:
+        return self.call("test_log")
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.process.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def engine_double(tiny_model_path):
+    from rpc import new_ipc_address
+
+    double = EngineDoubleProcess(new_ipc_address(f"double-{os.getpid()}-{id(object())}"),
+                                 str(tiny_model_path))
+    yield double
+    double.kill()
+
+
+@pytest.fixture
+def fresh_engine_double(tiny_model_path):
+    from rpc import new_ipc_address
+
+    double = EngineDoubleProcess(new_ipc_address(f"fresh-{os.getpid()}-{id(object())}"),
+                                 str(tiny_model_path))
+    yield double
+    double.kill()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class AppServer:
+    """A built app served by uvicorn on a thread of this process (so tests can inspect the
+    API process's memory directly)."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        self.app = app
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                lifespan="on", loop="asyncio")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+
+
+@pytest.fixture
+def start_app(make_config):
+    """start_app(engine=double_or_None, loader_cls=None, **config) -> AppServer."""
+    from api_proc.app import build_app
+
+    servers = []
+
+    def start(engine=None, loader_cls=None, **kw) -> AppServer:
+        addresses = (engine.address,) if engine is not None else ()
+        config = make_config(engine_addresses=addresses, **kw)
+        loader = None
+        if loader_cls is not None:
+            loader = loader_cls(config, load_model_config(config.model).image)
+        app = build_app(config, media_loader=loader,
+                        engine_processes=[engine.process] if engine is not None else None)
+        server = AppServer(app)
+        servers.append(server)
+        return server
+    yield start
+    for s in servers:
+        s.stop()

@@ -1,0 +1,162 @@
+"""The OpenAI-compatible HTTP app: `build_app(config) -> FastAPI`.
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
+GET /metrics. Request bodies are read by the pipeline itself (api_proc/serving.py), not by
+FastAPI's body parameters: FastAPI's route wrapper keeps the parsed body in its frame while a
+streaming response runs, which would pin every base64 image for the whole stream (R1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from api_proc.admission import AdmissionController
+from api_proc.config import ApiConfig
+from api_proc.engine_client import EngineClient
+from api_proc.errors import APIError, AuthenticationError, error_response, install_error_handlers
+from api_proc.media_loader import MediaLoader
+from api_proc.metrics import Metrics
+from api_proc.prompt_builder import PromptBuilder
+from api_proc.protocol import ModelCard, ModelList
+from api_proc.serving import ClientGone, Prepared, Serving
+from shared.model_config import load_model_config
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def run_until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """Run `work`; cancel it (its finally blocks release budget and abort engine requests)
+    if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+            raise ClientGone()
+    return task.result()
+
+
+def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = None,
+              engine_client: EngineClient | None = None,
+              media_loader: MediaLoader | None = None) -> FastAPI:
+    """The API app for `config`. `engine_processes` (Popen objects, one per address) let
+    /health report a dead engine process at once; `engine_client` and `media_loader` replace
+    the defaults (tests)."""
+    model_config = load_model_config(config.model)
+    builder = PromptBuilder(config.model, model_config, config.max_model_len)
+    loader = media_loader or MediaLoader(config, model_config.image)
+    admission = AdmissionController(config.mm_inflight_budget, config.admission_timeout_s)
+    engines = engine_client or EngineClient.connect(
+        config.engine_addresses, engine_processes, call_timeout_s=config.engine_call_timeout_s)
+    metrics = Metrics(num_waiting=lambda: admission.num_waiting,
+                      num_running=lambda: engines.num_in_flight,
+                      mm_inflight_bytes=lambda: admission.in_flight_bytes)
+    serving = Serving(config, builder, loader, admission, engines, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        await engines.start()
+        try:
+            yield
+        finally:
+            await engines.close()
+            await loader.aclose()
+
+    app = FastAPI(title="flatserve", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    install_error_handlers(app)
+    app.state.config = config
+    app.state.serving = serving
+    app.state.admission = admission
+    app.state.engine_client = engines
+    app.state.metrics = metrics
+
+    def check_api_key(request: Request) -> None:
+        if config.api_key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(),
+                                                                      config.api_key.encode()):
+            raise AuthenticationError("invalid or missing API key (Authorization: Bearer ...)")
+
+    async def handle(endpoint: str, request: Request,
+                     prepare: Callable[[Request], Awaitable[Prepared]]) -> Response:
+        metrics.num_preparing.inc()
+        try:
+            prepared = await run_until_disconnect(request, prepare(request))
+        except APIError as e:
+            metrics.count_request(endpoint, e.status)
+            return error_response(e)
+        except ClientGone:
+            metrics.count_request(endpoint, 499)
+            return Response(status_code=499)
+        finally:
+            metrics.num_preparing.dec()
+        if prepared.stream:
+            return StreamingResponse(
+                serving.stream(prepared, lambda status: metrics.count_request(endpoint, status)),
+                media_type="text/event-stream", headers=SSE_HEADERS)
+        try:
+            body = await run_until_disconnect(request, serving.collect(prepared))
+        except APIError as e:
+            metrics.count_request(endpoint, e.status)
+            return error_response(e)
+        except ClientGone:
+            metrics.count_request(endpoint, 499)
+            return Response(status_code=499)
+        metrics.count_request(endpoint, 200)
+        return JSONResponse(body)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_api_key)])
+    async def chat_completions(request: Request) -> Response:
+        return await handle("chat", request, serving.prepare_chat)
+
+    @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
+    async def completions(request: Request) -> Response:
+        return await handle("completions", request, serving.prepare_completion)
+
+    created = int(time.time())
+
+    @app.get("/v1/models", dependencies=[Depends(check_api_key)])
+    async def models() -> dict:
+        card = ModelCard(id=config.served_model_name, created=created,
+                         max_model_len=builder.max_model_len)
+        return ModelList(data=[card]).model_dump()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        engines_health = await engines.health()
+        dead = [e for e in engines_health if not e["ok"]]
+        if not engines_health:
+            return JSONResponse({"status": "unhealthy", "reason": "no engine is configured",
+                                 "engines": []}, status_code=503)
+        if dead:
+            reason = "; ".join(f"{e['address']}: {e['reason']}" for e in dead)
+            return JSONResponse({"status": "unhealthy", "reason": reason,
+                                 "engines": engines_health}, status_code=503)
+        return JSONResponse({"status": "ok", "engines": engines_health})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    return app

@@ -1,0 +1,52 @@
+"""Prometheus metrics of the API process, in a registry of its own (one per app)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import psutil
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, *, num_waiting: Callable[[], float], num_running: Callable[[], float],
+                 mm_inflight_bytes: Callable[[], float]):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("flatserve_requests", "Finished HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("flatserve_prompt_tokens", "Prompt tokens of served requests",
+                                     registry=r)
+        self.completion_tokens = Counter("flatserve_completion_tokens",
+                                         "Completion tokens streamed back", registry=r)
+        self.ttft = Histogram("flatserve_time_to_first_token_seconds",
+                              "Request arrival to first generated token", buckets=TTFT_BUCKETS,
+                              registry=r)
+        self.num_preparing = Gauge("flatserve_requests_preparing",
+                                   "Requests loading media or waiting for admission", registry=r)
+        Gauge("flatserve_requests_waiting_admission",
+              "Requests waiting for multimodal budget", registry=r).set_function(num_waiting)
+        Gauge("flatserve_requests_running", "Requests handed to an engine and not finished",
+              registry=r).set_function(num_running)
+        Gauge("flatserve_mm_inflight_bytes",
+              "Multimodal bytes reserved by requests not yet handed to an engine",
+              registry=r).set_function(mm_inflight_bytes)
+        process = psutil.Process()
+        Gauge("flatserve_process_rss_bytes", "Resident set size of the API process",
+              registry=r).set_function(lambda: process.memory_info().rss)
+
+    def count_request(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
