@@ -4,7 +4,7 @@
 token per output, up to max_tokens (finish "length"), else the echo ends with the first eos
 id (finish "stop"). Directives in the prompt text change its behaviour:
 
-    [[slow]]   0.2 s between outputs          [[hang]]   first output, then wait for cancel
+    [[slow]]   0.05 s between outputs         [[hang]]   first output, then wait for cancel
     [[error]]  raise after the first output   [[refuse]] refuse the request at once
 
 `test_log` returns what it saw: per request its id, prompt length, image shapes and grids,
@@ -48,7 +48,7 @@ class EngineDouble:
         if "[[refuse]]" in text:
             raise RuntimeError("RequestRejected: refused by the test double")
         echo = [t for t in ids if t not in self.special][:max_tokens + 1]
-        delay = 0.2 if "[[slow]]" in text else 0.0
+        delay = 0.05 if "[[slow]]" in text else 0.0
         self.running.add(rid)
         done = False
         try:

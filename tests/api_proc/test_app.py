@@ -1,0 +1,296 @@
+"""The HTTP app against the engine test double (a real rpc server in another process)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+from tokenizers import Tokenizer
+
+from api_proc.protocol import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionResponse,
+    ErrorResponse,
+)
+from tests.api_proc.conftest import data_url, encode_image
+
+
+def chat(server, content, timeout=30, **body):
+    body.setdefault("max_tokens", 8)
+    return httpx.post(server.url + "/v1/chat/completions", timeout=timeout,
+                      json={"messages": [{"role": "user", "content": content}], **body})
+
+
+def sse_events(response) -> list:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def image_content(*images, text="describe"):
+    return [*({"type": "image_url", "image_url": {"url": data_url(im)}} for im in images),
+            {"type": "text", "text": text}]
+
+
+def assert_error(response, status, type_=None, match=None):
+    assert response.status_code == status, response.text
+    body = ErrorResponse.model_validate(response.json())
+    if type_:
+        assert body.error.type == type_
+    if match:
+        assert match in body.error.message, body.error.message
+    return body.error
+
+
+@pytest.fixture
+def server(start_app, engine_double):
+    return start_app(engine_double)
+
+
+def test_models_health_metrics(server):
+    models = httpx.get(server.url + "/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "tiny-qwen2.5-vl-v1"
+    health = httpx.get(server.url + "/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    chat(server, "count me")
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("flatserve_requests_total", "flatserve_prompt_tokens_total",
+                 "flatserve_completion_tokens_total", "flatserve_time_to_first_token_seconds_bucket",
+                 "flatserve_requests_waiting_admission", "flatserve_requests_running",
+                 "flatserve_mm_inflight_bytes", "flatserve_process_rss_bytes"):
+        assert name in text, name
+    assert 'flatserve_requests_total{endpoint="chat",status="200"} 1.0' in text
+
+
+def test_chat_text_only(server, engine_double):
+    r = chat(server, "hello there 你好 😀", max_tokens=200)
+    assert r.status_code == 200, r.text
+    body = ChatCompletionResponse.model_validate(r.json())
+    assert "hello there 你好 😀" in body.choices[0].message.content
+    assert body.choices[0].finish_reason == "stop"
+    assert body.usage.completion_tokens > 0
+    assert body.usage.total_tokens == body.usage.prompt_tokens + body.usage.completion_tokens
+    seen = [q for q in engine_double.log()["requests"] if q["id"].startswith(body.id)]
+    assert len(seen) == 1 and seen[0]["shapes"] == [] and seen[0]["max_tokens"] == 200
+
+
+def test_chat_stream_with_usage(server):
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "stream me"}], "stream": True,
+            "max_tokens": 6, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = [ChatCompletionChunk.model_validate(e) for e in events[:-1]]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_chat_with_images_expands_placeholders(server, engine_double):
+    r = chat(server, image_content(encode_image(200, 100), encode_image(64, 64)))
+    assert r.status_code == 200, r.text
+    rid = r.json()["id"]
+    seen = [q for q in engine_double.log()["requests"] if q["id"].startswith(rid)][0]
+    assert seen["grids"] == [[1, 8, 14], [1, 4, 4]]  # 112x196 and 56x56 pixels
+    assert seen["shapes"] == [[112, 196, 3], [56, 56, 3]]
+    text_only = chat(server, "describe").json()["usage"]["prompt_tokens"]
+    # each image adds vision_start + vision_end + h*w/4 image tokens
+    assert r.json()["usage"]["prompt_tokens"] == text_only + (2 + 28) + (2 + 4)
+
+
+def test_n_choices_share_one_image(server, engine_double):
+    r = chat(server, image_content(encode_image(96, 96)), n=3, max_tokens=4, temperature=0.7, seed=5)
+    assert r.status_code == 200, r.text
+    body = ChatCompletionResponse.model_validate(r.json())
+    assert [c.index for c in body.choices] == [0, 1, 2]
+    assert body.usage.completion_tokens == 12
+    seen = [q for q in engine_double.log()["requests"] if q["id"].startswith(body.id)]
+    assert sorted(q["id"] for q in seen) == [f"{body.id}-{i}" for i in range(3)]
+    assert all(q["shapes"] == [[84, 84, 3]] for q in seen)
+
+
+def test_n_choices_stream(server):
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "two of us"}], "stream": True,
+            "n": 2, "max_tokens": 3}) as r:
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    finished = [e["choices"][0]["index"] for e in events[:-1] if e["choices"][0]["finish_reason"]]
+    assert sorted(finished) == [0, 1]
+
+
+def test_stop_string_stops_the_engine(server, engine_double):
+    r = chat(server, "alpha beta STOP gamma " + "more words " * 40 + "[[slow]]", max_tokens=200,
+             stop=["STOP"])
+    body = r.json()
+    assert body["choices"][0]["finish_reason"] == "stop"
+    content = body["choices"][0]["message"]["content"]
+    assert content.endswith("alpha beta ") and "STOP" not in content
+    rid = f"{body['id']}-0"
+    deadline = time.monotonic() + 3
+    while rid not in engine_double.log()["cancelled"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert rid in engine_double.log()["cancelled"]
+
+
+def test_completions(server, engine_double, tiny_model_path):
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "once upon a time"})
+    assert r.status_code == 200, r.text
+    body = CompletionResponse.model_validate(r.json())
+    assert body.choices[0].text == "once upon a time"
+    assert body.choices[0].finish_reason == "stop"
+    seen = [q for q in engine_double.log()["requests"] if q["id"].startswith(body.id)]
+    assert seen[0]["max_tokens"] == 16  # OpenAI's default for completions
+    r = httpx.post(server.url + "/v1/completions",
+                   json={"prompt": ["one two", "three four"], "max_tokens": 8, "n": 2})
+    body = CompletionResponse.model_validate(r.json())
+    assert [c.index for c in body.choices] == [0, 1, 2, 3]
+    assert body.choices[0].text == "one two" and body.choices[2].text == "three four"
+    hi = Tokenizer.from_file(str(tiny_model_path / "tokenizer.json")).encode("Hi").ids
+    ids = httpx.post(server.url + "/v1/completions", json={"prompt": hi, "max_tokens": 4})
+    assert ids.json()["choices"][0]["text"] == "Hi"
+    with httpx.stream("POST", server.url + "/v1/completions",
+                      json={"prompt": "streamed words", "stream": True}) as r:
+        events = sse_events(r)
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "streamed words"
+
+
+@pytest.mark.parametrize("body, status, match", [
+    ({"messages": []}, 400, "messages"),
+    ({}, 400, "messages: Field required"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": 5}, 400, "temperature"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 100}, 400, "max_n"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, 400, "role"),
+    ({"messages": [{"role": "user", "content": [{"type": "audio", "x": 1}]}]}, 400, "content"),
+    ({"messages": [{"role": "user", "content": "x"}], "model": "gpt-9"}, 404, "gpt-9"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 40000}, 400, "max_model_len"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "data:image/png;base64,aGVsbG8="}}]}]}, 400, "not a supported image"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "http://127.0.0.1:1/x.png"}}]}]}, 400, "non-public"),
+])
+def test_bad_requests_get_openai_errors(server, body, status, match):
+    r = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert_error(r, status, match=match)
+
+
+def test_malformed_json_is_400(server):
+    r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json",
+                   headers={"content-type": "application/json"})
+    assert_error(r, 400, "invalid_request_error", "JSON")
+
+
+def test_unknown_route_is_404(server):
+    assert_error(httpx.get(server.url + "/v2/nothing"), 404, "not_found_error")
+    assert httpx.get(server.url + "/v1/chat/completions").status_code == 405
+
+
+def test_too_many_images(start_app, engine_double):
+    server = start_app(engine_double, limit_mm_per_prompt=1)
+    r = chat(server, image_content(encode_image(), encode_image()))
+    assert_error(r, 400, match="limit_mm_per_prompt=1")
+
+
+def test_body_and_image_size_limits(start_app, engine_double):
+    server = start_app(engine_double, max_body_bytes=50_000, max_image_bytes=10_000)
+    big = encode_image(256, 256)  # about 200 kB of noise
+    assert_error(chat(server, image_content(big)), 413, "request_too_large", "max_body_bytes=50000")
+    small = encode_image(80, 60)
+    assert 10_000 < len(small) < 30_000
+    assert_error(chat(server, image_content(small)), 413, match="max_image_bytes=10000")
+    chunked = httpx.post(server.url + "/v1/chat/completions",
+                         content=iter([b"{" + b" " * 40_000, b" " * 40_000 + b"}"]))
+    assert_error(chunked, 413, match="max_body_bytes")
+
+
+def test_image_bigger_than_the_whole_budget_is_413(start_app, engine_double):
+    server = start_app(engine_double, mm_inflight_budget=100_000)
+    assert_error(chat(server, image_content(encode_image(400, 300))), 413, match="mm_inflight_budget")
+    assert chat(server, image_content(encode_image(32, 32))).status_code == 200
+
+
+def test_pixel_bomb_is_400(start_app, engine_double):
+    server = start_app(engine_double, max_image_pixels=10_000)
+    assert_error(chat(server, image_content(encode_image(200, 100))), 400,
+                 match="max_image_pixels is 10000")
+
+
+def test_api_key(start_app, engine_double):
+    server = start_app(engine_double, api_key="sekrit")
+    assert_error(chat(server, "x"), 401, "authentication_error")
+    r = httpx.post(server.url + "/v1/chat/completions", headers={"Authorization": "Bearer nope"},
+                   json={"messages": [{"role": "user", "content": "x"}]})
+    assert_error(r, 401)
+    r = httpx.post(server.url + "/v1/chat/completions", headers={"Authorization": "Bearer sekrit"},
+                   json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+    assert r.status_code == 200
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    assert httpx.get(server.url + "/health").status_code == 200  # probes need no key
+
+
+def test_engine_error_mid_stream_and_non_stream(server):
+    r = chat(server, "[[error]] please")
+    assert_error(r, 500, "engine_error", "failed on purpose")
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "[[error]] please"}], "stream": True}) as r:
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["type"] == "engine_error"
+
+
+def test_engine_refusal_is_400(server):
+    assert_error(chat(server, "[[refuse]]"), 400, match="refused by the test double")
+
+
+def test_client_disconnect_aborts_the_engine_request(server, engine_double):
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "[[hang]] wait for me"}],
+            "stream": True, "max_tokens": 50}) as r:
+        lines = r.iter_lines()
+        first = json.loads(next(lines)[len("data: "):])
+        next(line for line in lines if line.startswith("data: "))  # a token chunk
+    rid = first["id"] + "-0"
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        log = engine_double.log()
+        if rid in log["cancelled"]:
+            break
+        time.sleep(0.05)
+    assert rid in log["cancelled"] and rid not in log["running"]
+    assert server.app.state.engine_client.num_in_flight == 0
+
+
+def test_non_stream_disconnect_aborts_too(server, engine_double):
+    with pytest.raises(httpx.ReadTimeout):
+        chat(server, "[[hang]] non-stream", timeout=0.5)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and engine_double.log()["running"]:
+        time.sleep(0.05)
+    assert engine_double.log()["running"] == []
+    assert server.app.state.engine_client.num_in_flight == 0
+
+
+def test_engine_death_is_503(start_app, fresh_engine_double):
+    server = start_app(fresh_engine_double)
+    assert chat(server, "alive").status_code == 200
+    fresh_engine_double.kill()
+    health = httpx.get(server.url + "/health")
+    assert health.status_code == 503 and "exited" in health.json()["reason"]
+    assert_error(chat(server, "anyone?"), 503, "service_unavailable")
+
+
+def test_no_engine_is_503(start_app):
+    server = start_app(None)
+    assert httpx.get(server.url + "/health").status_code == 503
+    assert_error(chat(server, "x"), 503, "service_unavailable", "no engine")
