@@ -8,6 +8,7 @@ holds the image arrays itself, so freeing them there (R3) really frees them.
 from __future__ import annotations
 
 import logging
+import traceback
 
 import numpy as np
 
@@ -104,8 +105,13 @@ class LLMEngine:
         try:
             token_ids = self.model_runner.run(batch)
         except Exception as exc:  # fail this step's requests, keep serving the others
-            logger.exception("engine step failed for %d requests", batch.num_seqs)
-            outputs.extend(self._fail(batch, f"{type(exc).__name__}: {exc}"))
+            token_ids = None
+            error = f"{type(exc).__name__}: {exc}"
+            # the traceback goes out as text: a LogRecord holding exc_info would keep the
+            # frames alive, and with them the pixels and embeddings in their locals (R3)
+            logger.error("step failed for %d requests: %s", batch.num_seqs, traceback.format_exc())
+        if token_ids is None:
+            outputs.extend(self._fail(batch, error))
             return outputs
         for seq in self.scheduler.postprocess(batch, token_ids):
             outputs.append(self._output(seq, [seq.last_token_id]))

@@ -131,26 +131,32 @@ class Scheduler:
         scheduled: set[int] = set()
         preempted = False
         # 1. one decode token for every sequence past its prefill
+        block_size = self.block_manager.block_size
+        prefilling: list[Sequence] = []
         for seq in list(self.running):
-            if seq.num_uncomputed_tokens != 1 or seq.status != SequenceStatus.RUNNING:
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_uncomputed = len(seq.token_ids) - seq.num_computed_tokens
+            if num_uncomputed != 1:
+                prefilling.append(seq)
                 continue
-            if not self._make_room(seq, scheduled):
-                preempted = True
-                continue
-            self.block_manager.append(seq)
+            if len(seq.block_table) * block_size < len(seq.token_ids):  # needs a new block
+                if not self._make_room(seq, scheduled):
+                    preempted = True
+                    continue
+                self.block_manager.append(seq)
             batch.add(seq, 1)
             scheduled.add(seq.seq_id)
-            budget -= 1
+        budget -= batch.num_seqs
         batch.num_decode_seqs = batch.num_seqs
-        # 2. the next chunk of sequences still prefilling
-        for seq in self.running:
+        # 2. the next chunk of sequences still prefilling (all their blocks are allocated)
+        for seq in prefilling:
             if budget == 0:
                 break
-            if seq.seq_id in scheduled or seq.num_uncomputed_tokens == 0:
-                continue
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # preempted to make room for a decode
+            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             batch.add(seq, num_new)
-            scheduled.add(seq.seq_id)
             budget -= num_new
         # 3. admit waiting sequences (not in a step that had to preempt: they would thrash)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:

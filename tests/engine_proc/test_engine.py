@@ -4,6 +4,8 @@ preemption; seeded sampling; request rejection."""
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -263,8 +265,12 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(
         raise RuntimeError("vision tower exploded")
 
     model.encode_images = broken
-    engine.add_request(make_request(config, "img", ONE_IMAGE))
+    request = make_request(config, "img", ONE_IMAGE)
+    pixels_ref = weakref.ref(request.images[0].pixels)
+    engine.add_request(request)
+    del request
     outputs = engine.step()
+    assert pixels_ref() is None  # not kept alive by the exception's frames
     assert [(o.request_id, o.finish_reason) for o in outputs] == [("img", "error")]
     assert "exploded" in outputs[0].error
     assert engine.stats().mm_bytes_held == 0 and not engine.has_unfinished_requests()
