@@ -57,10 +57,7 @@ class ApiConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (use None to disable)")
-        for name in ("max_model_len", "media_workers"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must not be negative")
-        for name in ("limit_mm_per_prompt",):
+        for name in ("max_model_len", "media_workers", "limit_mm_per_prompt"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")
         for name in ("max_image_pixels", "max_image_bytes", "max_body_bytes",
@@ -99,7 +96,7 @@ class ApiConfig:
             kwargs: dict = {"default": f.default, "help": f.metadata.get("help", ""), "dest": f.name}
             if hint is bool:
                 kwargs["action"] = argparse.BooleanOptionalAction
-            elif typing.get_origin(hint) is tuple or tuple in typing.get_args(hint):
+            elif tuple in (typing.get_origin(h) for h in (hint, *typing.get_args(hint))):
                 kwargs["nargs"] = "*"
             else:
                 base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)

@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from api_proc.config import ApiConfig
+
+
+def test_defaults_and_derived_values(tiny_model_path):
+    config = ApiConfig(model=str(tiny_model_path))
+    assert config.served_model_name == tiny_model_path.name
+    assert config.api_key is None and config.allowed_local_media_path is None
+    assert config.allowed_media_domains is None
+    assert 1 <= config.num_media_workers <= 4
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.port = 1
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"model": ""}, "model"),
+    ({"model": "/no/such/folder"}, "not a folder"),
+    ({"port": 70000}, "port"),
+    ({"api_key": ""}, "api_key"),
+    ({"max_image_bytes": 0}, "max_image_bytes"),
+    ({"mm_inflight_budget": -1}, "mm_inflight_budget"),
+    ({"admission_timeout_s": 0}, "admission_timeout_s"),
+    ({"allowed_local_media_path": "/no/such/folder"}, "allowed_local_media_path"),
+    ({"allowed_media_domains": ("ok.com", " ")}, "empty"),
+    ({"engine_addresses": ("http://x",)}, "engine address"),
+])
+def test_validation(tiny_model_path, kw, match):
+    kw.setdefault("model", str(tiny_model_path))
+    with pytest.raises(ValueError, match=match):
+        ApiConfig(**kw)
+
+
+def test_normalization(tiny_model_path, tmp_path):
+    config = ApiConfig(model=str(tiny_model_path), allowed_media_domains=["Images.Example.COM."],
+                       allowed_local_media_path=str(tmp_path / ".." / tmp_path.name),
+                       engine_addresses=["ipc:///tmp/x.sock"])
+    assert config.allowed_media_domains == ("images.example.com",)
+    assert config.allowed_local_media_path == str(tmp_path.resolve())
+    assert config.engine_addresses == ("ipc:///tmp/x.sock",)
+
+
+def test_cli_defaults_come_from_the_dataclass(tiny_model_path):
+    parser = ApiConfig.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--model", str(tiny_model_path)])
+    assert ApiConfig.from_cli_args(args) == ApiConfig(model=str(tiny_model_path))
+    args = parser.parse_args([
+        "--model", str(tiny_model_path), "--port", "9001", "--api-key", "k",
+        "--allowed-media-domains", "a.com", "b.com", "--allow-private-media-addresses",
+        "--admission-timeout-s", "2.5", "--engine-addresses", "ipc:///tmp/e0.sock"])
+    config = ApiConfig.from_cli_args(args, served_model_name="m")
+    assert (config.port, config.api_key, config.served_model_name) == (9001, "k", "m")
+    assert config.allowed_media_domains == ("a.com", "b.com")
+    assert config.allow_private_media_addresses is True
+    assert config.admission_timeout_s == 2.5
+    assert config.engine_addresses == ("ipc:///tmp/e0.sock",)

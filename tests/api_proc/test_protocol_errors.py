@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from api_proc.errors import (
+    APIError,
+    AuthenticationError,
+    BadRequestError,
+    EngineUnavailableError,
+    NotFoundError,
+    OverBudgetError,
+    PayloadTooLargeError,
+    format_validation_errors,
+)
+from api_proc.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+
+
+@pytest.mark.parametrize("cls, status, type_", [
+    (BadRequestError, 400, "invalid_request_error"),
+    (AuthenticationError, 401, "authentication_error"),
+    (NotFoundError, 404, "not_found_error"),
+    (PayloadTooLargeError, 413, "request_too_large"),
+    (OverBudgetError, 429, "rate_limit_error"),
+    (EngineUnavailableError, 503, "service_unavailable"),
+    (APIError, 500, "internal_error"),
+])
+def test_error_shapes(cls, status, type_):
+    err = cls("went wrong", param="messages")
+    assert err.status == status
+    body = ErrorResponse.model_validate(err.to_dict())
+    assert (body.error.message, body.error.type, body.error.param) == ("went wrong", type_, "messages")
+    assert set(err.to_dict()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_chat_request_accepts_openai_shapes():
+    req = ChatCompletionRequest.model_validate({
+        "model": "m", "messages": [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": [
+                {"type": "text", "text": "hi"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA", "detail": "low"}},
+                {"type": "image_url", "image_url": "http://x/y.png"}]},
+            {"role": "assistant", "content": None}],
+        "max_completion_tokens": 7, "stop": "END", "stream": True,
+        "stream_options": {"include_usage": True}, "frequency_penalty": 0.0, "user": "u"})
+    assert req.requested_max_tokens == 7
+    assert req.stop == ["END"] and req.include_usage
+    assert req.messages[1].content[2].image_url.url == "http://x/y.png"
+
+
+@pytest.mark.parametrize("body", [
+    {"messages": []},
+    {"messages": [{"role": "user", "content": "x"}], "stop": [""]},
+    {"messages": [{"role": "user", "content": "x"}], "stop": ["s"] * 17},
+    {"messages": [{"role": "user", "content": "x"}], "top_p": 0},
+    {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+    {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": ""}}]}]},
+])
+def test_chat_request_refusals(body):
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate(body)
+
+
+def test_completion_prompt_forms():
+    for prompt in ("text", ["a", "b"], [1, 2, 3], [[1, 2], [3]]):
+        assert CompletionRequest(prompt=prompt).prompt == prompt
+    for prompt in ([], [[1], []]):
+        with pytest.raises(ValidationError):
+            CompletionRequest(prompt=prompt)
+    with pytest.raises(ValidationError):
+        CompletionRequest(prompt="x", echo=True)
+
+
+def test_validation_messages_leave_the_input_out():
+    secret = "data:image/png;base64," + "S3CR3T" * 100
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": secret, "detail": "ultra"}}]}]})
+    message = format_validation_errors(e.value.errors(include_input=False))
+    assert "detail" in message and "S3CR3T" not in message
