@@ -1,0 +1,111 @@
+"""Soak outputs: one CSV row per sample, a PNG plot of RSS over requests, a JSON summary."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+import sys
+from pathlib import Path
+
+from api_proc.soak.sampler import Sample
+from api_proc.soak.summary import Summary
+
+
+def _slug(role: str) -> str:
+    return re.sub(r"[^0-9A-Za-z]+", "_", role).strip("_")
+
+
+def roles_of(samples: list[Sample]) -> list[str]:
+    roles: dict[str, None] = {}
+    for sample in samples:
+        roles.update(dict.fromkeys(sample.rss_mb))
+    return list(roles)
+
+
+def write_csv(path: Path, samples: list[Sample]) -> None:
+    roles = roles_of(samples)
+    header = ["time_s", "phase", "requests", "in_flight", "mm_inflight_mb"]
+    for role in roles:
+        header += [f"{_slug(role)}.rss_mb", f"{_slug(role)}.uss_mb"]
+
+    def cell(value: float | None) -> str:
+        return "" if value is None else f"{value:.3f}"
+
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(header)
+        for s in samples:
+            row = [f"{s.time_s:.3f}", s.phase, s.requests, s.in_flight, cell(s.mm_inflight_mb)]
+            for role in roles:
+                row += [cell(s.rss_mb.get(role)), cell(s.uss_mb.get(role))]
+            writer.writerow(row)
+
+
+def write_json(path: str | Path, summary: Summary) -> None:
+    text = json.dumps(summary.to_dict(), indent=2, default=str)
+    if str(path) == "-":
+        sys.stdout.write(text + "\n")
+    else:
+        Path(path).write_text(text + "\n")
+
+
+def write_plot(path: Path, samples: list[Sample], summary: Summary) -> None:
+    """RSS of each process over requests finished (fit lines dashed, warm-up dotted, the API's
+    idle RSS plus the in-flight budget as a line), and the in-flight multimodal MB below."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    has_mm = any(s.mm_inflight_mb is not None for s in samples)
+    fig, axes = plt.subplots(2 if has_mm else 1, 1, figsize=(10, 8 if has_mm else 5.5),
+                             sharex=True, squeeze=False, height_ratios=[3, 1] if has_mm else None)
+    ax = axes[0][0]
+    for p in summary.processes:
+        points = [(s.requests, s.rss_mb[p.role]) for s in samples if p.role in s.rss_mb]
+        if not points:
+            continue
+        xs, ys = zip(*points, strict=True)
+        (line,) = ax.plot(xs, ys, marker=".", markersize=3, linewidth=1,
+                          label=f"{p.role} (pid {p.pid})")
+        if p.slope_mb_per_1k is not None and p.warm_mb is not None:
+            x0, x1 = summary.warmup_requests, max(xs)
+            fit = [(s.requests, s.rss_mb[p.role]) for s in samples
+                   if s.phase == "load" and p.role in s.rss_mb and s.requests >= x0]
+            mean_x = sum(x for x, _ in fit) / len(fit)
+            mean_y = sum(y for _, y in fit) / len(fit)
+            k = p.slope_mb_per_1k / 1000.0
+            ax.plot([x0, x1], [mean_y + k * (x0 - mean_x), mean_y + k * (x1 - mean_x)],
+                    linestyle="--", color=line.get_color(), linewidth=1,
+                    label=f"{p.role} fit {p.slope_mb_per_1k:+.2f} MB/1k")
+    api = next((p for p in summary.processes if p.role == "api"),
+               summary.processes[0] if summary.processes else None)
+    if summary.budget_mb is not None and api is not None and api.idle_mb is not None:
+        ax.axhline(api.idle_mb + summary.budget_mb, color="red", linestyle="-.", linewidth=1,
+                   label=f"{api.role} idle + mm budget ({summary.budget_mb:.0f} MB)")
+    if summary.warmup_requests:
+        for row in axes:
+            row[0].axvline(summary.warmup_requests, color="gray", linestyle=":", linewidth=1)
+    verdict = "PASSED" if summary.passed else "FAILED"
+    cfg = summary.config
+    ax.set_title(f"RSS soak {verdict}: {summary.requests} requests, "
+                 f"c={cfg.get('concurrency')}, {cfg.get('image_size')}px "
+                 f"x{cfg.get('images_per_request')}, max {summary.max_slope:g} MB/1k")
+    ax.set_ylabel("RSS (MB)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small", loc="best")
+    if has_mm:
+        mm = axes[1][0]
+        points = [(s.requests, s.mm_inflight_mb) for s in samples if s.mm_inflight_mb is not None]
+        xs, ys = zip(*points, strict=True)
+        mm.plot(xs, ys, linewidth=1, color="tab:purple", label="in-flight multimodal")
+        if summary.budget_mb is not None:
+            mm.axhline(summary.budget_mb, color="red", linestyle="-.", linewidth=1, label="budget")
+        mm.set_ylabel("in-flight MB")
+        mm.grid(True, alpha=0.3)
+        mm.legend(fontsize="small", loc="best")
+    axes[-1][0].set_xlabel("requests finished")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,197 @@
+"""From samples to verdict: per-process RSS figures, the post-warm-up slope, pass or fail."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+
+from api_proc.soak.load import LoadStats
+from api_proc.soak.sampler import Sample
+
+MIN_FIT_SAMPLES = 3
+
+
+@dataclass
+class ProcessSummary:
+    role: str
+    pid: int
+    idle_mb: float | None
+    warm_mb: float | None  # first sample after the warm-up
+    peak_mb: float | None
+    final_mb: float | None
+    slope_mb_per_1k: float | None  # None: too few samples after the warm-up to fit
+    peak_uss_mb: float | None = None
+    exited: bool = False
+    passed: bool = True
+
+
+@dataclass
+class Summary:
+    processes: list[ProcessSummary]
+    requests: int  # finished, whatever the outcome
+    ok: int
+    errors: int
+    disconnects: int
+    rejected: int
+    passed: bool
+    reasons: list[str]  # why it failed; empty when it passed
+    max_slope: float
+    warmup_requests: int
+    duration_s: float
+    requests_per_s: float
+    mm_inflight_peak_mb: float | None = None
+    budget_mb: float | None = None
+    errors_by_kind: dict[str, int] = field(default_factory=dict)
+    error_messages: list[str] = field(default_factory=list)
+    stop_reason: str | None = None
+    interrupted: bool = False
+    config: dict = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def process(self, role: str) -> ProcessSummary:
+        return next(p for p in self.processes if p.role == role)
+
+
+def fit_slope(requests: list[float], rss_mb: list[float]) -> float | None:
+    """Least-squares slope of RSS (MB) over requests finished, in MB per 1,000 requests;
+    None with fewer than two distinct request counts."""
+    if len(requests) != len(rss_mb):
+        raise ValueError("requests and rss_mb differ in length")
+    n = len(requests)
+    if n < 2:
+        return None
+    mean_x = sum(requests) / n
+    mean_y = sum(rss_mb) / n
+    sxx = sum((x - mean_x) ** 2 for x in requests)
+    if sxx == 0:
+        return None
+    sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(requests, rss_mb, strict=True))
+    return sxy / sxx * 1000.0
+
+
+def warmup_requests(total_requests: int, warmup_share: float) -> int:
+    return math.ceil(total_requests * warmup_share)
+
+
+def summarize_process(role: str, pid: int, samples: list[Sample], warmup: int,
+                      exited: bool = False) -> ProcessSummary:
+    """Figures for one process. The slope is fitted on load samples at or after `warmup`
+    requests finished: idle and after-load samples sit at other in-flight levels."""
+    values = [(s, s.rss_mb[role]) for s in samples if role in s.rss_mb]
+    idle = [v for s, v in values if s.phase == "idle"]
+    fit = [(s.requests, v) for s, v in values if s.phase == "load" and s.requests >= warmup]
+    final = [v for s, v in values if s.phase == "final"] or [v for _, v in values[-1:]]
+    uss = [s.uss_mb[role] for s in samples if role in s.uss_mb]
+    slope = None
+    if len(fit) >= MIN_FIT_SAMPLES:
+        slope = fit_slope([float(x) for x, _ in fit], [y for _, y in fit])
+    return ProcessSummary(
+        role=role,
+        pid=pid,
+        idle_mb=statistics.median(idle) if idle else None,
+        warm_mb=fit[0][1] if fit else None,
+        peak_mb=max(v for _, v in values) if values else None,
+        final_mb=final[-1] if final else None,
+        slope_mb_per_1k=slope,
+        peak_uss_mb=max(uss) if uss else None,
+        exited=exited,
+    )
+
+
+def summarize(
+    samples: list[Sample],
+    processes: list[tuple[str, int, bool]],  # (role, pid, exited)
+    stats: LoadStats,
+    max_slope: float,
+    warmup_share: float,
+    budget_mb: float | None = None,
+    interrupted: bool = False,
+    config: dict | None = None,
+) -> Summary:
+    warmup = warmup_requests(stats.finished, warmup_share)
+    reasons: list[str] = []
+    summaries = []
+    for role, pid, exited in processes:
+        summary = summarize_process(role, pid, samples, warmup, exited)
+        if exited:
+            reasons.append(f"{role} (pid {pid}) exited during the run")
+            summary.passed = False
+        if summary.slope_mb_per_1k is None:
+            reasons.append(f"{role}: fewer than {MIN_FIT_SAMPLES} RSS samples after the warm-up "
+                           "to fit a slope (send more requests or lower --interval)")
+            summary.passed = False
+        elif summary.slope_mb_per_1k > max_slope:
+            reasons.append(f"{role}: RSS grows {summary.slope_mb_per_1k:.2f} MB per 1,000 "
+                           f"requests (limit {max_slope:g})")
+            summary.passed = False
+        summaries.append(summary)
+    if not processes:
+        reasons.append("no process was sampled")
+    if stats.errors:
+        reasons.append(f"{stats.errors} requests failed unexpectedly")
+    if stats.stop_reason:
+        reasons.append(f"load stopped early: {stats.stop_reason}")
+    if interrupted:
+        reasons.append("interrupted")
+    mm = [s.mm_inflight_mb for s in samples if s.mm_inflight_mb is not None]
+    duration = stats.duration_s
+    return Summary(
+        processes=summaries,
+        requests=stats.finished,
+        ok=stats.ok,
+        errors=stats.errors,
+        disconnects=stats.disconnects,
+        rejected=stats.rejected,
+        passed=not reasons,
+        reasons=reasons,
+        max_slope=max_slope,
+        warmup_requests=warmup,
+        duration_s=duration,
+        requests_per_s=stats.finished / duration if duration > 0 else 0.0,
+        mm_inflight_peak_mb=max(mm) if mm else None,
+        budget_mb=budget_mb,
+        errors_by_kind=dict(stats.errors_by_kind),
+        error_messages=list(stats.error_messages),
+        stop_reason=stats.stop_reason,
+        interrupted=interrupted,
+        config=dict(config or {}),
+    )
+
+
+def _mb(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def format_table(summary: Summary) -> str:
+    header = ("process", "pid", "idle MB", "warm MB", "peak MB", "final MB", "MB/1k req", "result")
+    rows = [header]
+    for p in summary.processes:
+        slope = "-" if p.slope_mb_per_1k is None else f"{p.slope_mb_per_1k:+.2f}"
+        result = "ok" if p.passed else ("EXITED" if p.exited else "FAIL")
+        rows.append((p.role, str(p.pid), _mb(p.idle_mb), _mb(p.warm_mb), _mb(p.peak_mb),
+                     _mb(p.final_mb), slope, result))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
+                       for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
+             for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    s = summary
+    lines.append("")
+    lines.append(f"requests {s.requests} (ok {s.ok}, disconnected {s.disconnects}, "
+                 f"rejected {s.rejected}), errors {s.errors}; "
+                 f"{s.requests_per_s:.2f} req/s over {s.duration_s:.1f} s")
+    lines.append(f"slope fitted after the first {s.warmup_requests} requests; "
+                 f"limit {s.max_slope:g} MB per 1,000 requests")
+    if s.mm_inflight_peak_mb is not None or s.budget_mb is not None:
+        budget = "" if s.budget_mb is None else f" (budget {s.budget_mb:.1f} MB)"
+        lines.append(f"in-flight multimodal peak {_mb(s.mm_inflight_peak_mb)} MB{budget}")
+    for kind, count in sorted(s.errors_by_kind.items()):
+        lines.append(f"  errors {kind}: {count}")
+    for message in s.error_messages:
+        lines.append(f"  {message}")
+    lines.append("PASSED" if s.passed else "FAILED: " + "; ".join(s.reasons))
+    return "\n".join(lines)
