@@ -362,3 +362,45 @@ def test_disconnect_while_waiting_for_admission(start_app, engine_double, record
     first.join(30)
     wait_collected(recorded + loader.refs)
     assert admission.in_flight_bytes == 0
+
+
+def test_over_budget_is_429_and_drops_the_payload(start_app, engine_double, recorded):
+    image = encode_image(512, 512)
+    server = start_app(engine_double, loader_cls=RecordingLoader, mm_inflight_budget=6_000_000,
+                       admission_timeout_s=0.3)
+    loader = server.app.state.serving.loader
+    loader.gate.clear()
+    body = {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(image)}},
+        {"type": "text", "text": "hello"}]}], "max_tokens": 2}
+    first = threading.Thread(target=httpx.post, args=(server.url + "/v1/chat/completions",),
+                             kwargs={"json": body, "timeout": 30})
+    first.start()
+    while server.app.state.admission.in_flight_bytes == 0:
+        time.sleep(0.01)
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 429
+    error = r.json()["error"]
+    assert error["type"] == "rate_limit_error" and "multimodal budget" in error["message"]
+    loader.gate.set()
+    first.join(30)
+    wait_collected(recorded + loader.refs)
+    assert server.app.state.admission.in_flight_bytes == 0
+    text = httpx.get(server.url + "/metrics").text
+    assert 'flatserve_requests_total{endpoint="chat",status="429"} 1.0' in text
+
+
+def test_engine_death_mid_stream(start_app, fresh_engine_double, recorded):
+    server = start_app(fresh_engine_double, loader_cls=RecordingLoader)
+    loader = server.app.state.serving.loader
+    client, cm, lines, first = _open_stream(server, big_image_content("[[hang]] then die"))
+    try:
+        fresh_engine_double.kill()
+        rest = [line for line in lines if line.startswith("data: ")]
+    finally:
+        cm.__exit__(None, None, None)
+        client.close()
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][len("data: "):])["error"]["type"] == "service_unavailable"
+    wait_collected(recorded + loader.refs)
+    assert server.app.state.engine_client.num_in_flight == 0
