@@ -163,13 +163,13 @@ class VisionAttention(nn.Module):
 
     def _windows(self, qkv: torch.Tensor, layout: VisionLayout) -> torch.Tensor:
         num_windows, length = layout.window_gather.shape
-        padded = qkv[layout.window_gather.view(-1)].view(
+        padded = qkv.index_select(0, layout.window_gather.view(-1)).view(
             num_windows, length, 3, self.num_heads, self.head_dim
         )
         q, k, v = padded.permute(2, 0, 3, 1, 4).unbind(0)  # [W, heads, L, D]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.window_mask)
         out = out.transpose(1, 2).reshape(num_windows * length, self.num_heads, self.head_dim)
-        return out[layout.window_scatter]
+        return out.index_select(0, layout.window_scatter)
 
     def _images(self, qkv: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
         if len(set(sizes)) == 1:  # equal sizes (one image included): one batched call

@@ -68,8 +68,10 @@ class _Cache:
         return out, expected, meta
 
 
-@pytest.mark.parametrize("num_decodes", [None, 3])
+@pytest.mark.parametrize("num_decodes", [0, None, 3])
 def test_mixed_flat_batches_match_reference(num_decodes):
+    """num_decodes 0: everything padded together; None: leading decodes found from the
+    host copy of query_start_loc; 3: the runner says."""
     torch.manual_seed(0)
     cache = _Cache(Attention(HEADS, KV_HEADS, DIM))
     cases = [
@@ -85,7 +87,7 @@ def test_mixed_flat_batches_match_reference(num_decodes):
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
         kinds = [p.kind for p in meta.parts]
         if mixed:
-            assert kinds == (["decode", "padded"] if num_decodes else ["padded"])
+            assert kinds == (["padded"] if num_decodes == 0 else ["decode", "padded"])
         else:
             assert kinds == [kind]
 

@@ -77,11 +77,11 @@ def test_chunked_prefill_splitting_an_image_matches_hf(vl, paged_kv):
     torch.testing.assert_close(logits, vl.hf_logits(ids, images, grids), atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("num_decodes", [None, 2])
+@pytest.mark.parametrize("num_decodes", [0, None, 2])
 def test_mixed_batch_matches_each_sequence_alone(vl, make_paged_kv, num_decodes):
     """Two decodes + one prefill chunk (after an earlier chunk that ends inside its image)
-    in one flat forward equal each span run alone. With num_decodes the leading decodes
-    run as their own unpadded call; without it everything is padded together."""
+    in one flat forward equal each span run alone: padded all together (num_decodes 0)
+    or with the leading decodes split off (found on the host, or given)."""
     prompts = {
         "txt": vl.prompt(list(range(30, 51))),
         "img2": vl.prompt([13], (1, 4, 6), [14, 15]),
