@@ -105,7 +105,11 @@ class PromptBuilder:
         raise BadRequestError(message, param="messages")
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        except Exception as e:  # the tokenizer refuses the text: bad input, not a bug
+            message = f"prompt text cannot be tokenized: {type(e).__name__}"
+        raise BadRequestError(message, param="messages")
 
     def num_image_tokens(self, grid_thw: tuple[int, int, int]) -> int:
         t, h, w = grid_thw

@@ -42,6 +42,7 @@ class ImageURLPart(_Request):
         return {"url": v} if isinstance(v, str) else v
 
 
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
 
 
@@ -60,10 +61,10 @@ class _SamplingRequest(_Request):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
-    seed: int | None = None
+    top_k: int | None = Field(default=None, ge=-1, lt=2**31)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)  # must fit the wire and torch
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # extension (as in vLLM)
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=64)  # vLLM extension
     ignore_eos: bool = False  # extension
     n: int = Field(default=1, ge=1)
     stream: bool = False
@@ -107,7 +108,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     echo: bool = False
 
     @field_validator("prompt")

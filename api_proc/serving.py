@@ -151,7 +151,7 @@ class Serving:
                                 code="model_not_found")
 
     def _sampling(self, req, max_tokens: int, choice: int) -> SamplingParams:
-        seed = None if req.seed is None else req.seed + choice
+        seed = None if req.seed is None else (req.seed + choice) % 2**63
         try:
             return SamplingParams(
                 max_tokens=max_tokens,

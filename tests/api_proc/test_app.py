@@ -294,3 +294,44 @@ def test_no_engine_is_503(start_app):
     server = start_app(None)
     assert httpx.get(server.url + "/health").status_code == 503
     assert_error(chat(server, "x"), 503, "service_unavailable", "no engine")
+
+
+def test_no_bad_input_is_a_500(start_app, engine_double):
+    """Random bodies built from the protocol's own field names never get a 5xx."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    server = start_app(engine_double)
+    http = httpx.Client(timeout=30)
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
+                        st.floats(allow_nan=False), st.text(max_size=20))
+    part = st.one_of(
+        st.fixed_dictionaries({"type": st.just("text"), "text": st.one_of(st.text(max_size=30), scalars)}),
+        st.fixed_dictionaries({"type": st.just("image_url"), "image_url": st.one_of(
+            scalars, st.fixed_dictionaries({"url": st.one_of(st.sampled_from([
+                "data:image/png;base64,", "data:image/png;base64,AAAA", "http://[::1]/x",
+                "file:///etc/passwd", "data:,x", "javascript:alert(1)"]), scalars)}))}),
+        scalars)
+    message = st.fixed_dictionaries({"role": st.one_of(st.sampled_from(["user", "system", "assistant"]), scalars),
+                                     "content": st.one_of(st.text(max_size=30), st.lists(part, max_size=3), scalars)})
+    body = st.fixed_dictionaries({}, optional={
+        "messages": st.one_of(st.lists(message, max_size=3), scalars),
+        "max_tokens": scalars, "temperature": scalars, "top_p": scalars, "top_k": scalars,
+        "seed": scalars, "n": st.one_of(st.integers(-3, 20), scalars),
+        "stop": st.one_of(st.lists(st.text(max_size=5), max_size=3), scalars),
+        "stream": scalars, "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": scalars}), scalars),
+        "prompt": st.one_of(st.lists(st.integers(-5, 10**10), max_size=4), scalars),
+        "model": scalars, "stop_token_ids": st.one_of(st.lists(st.integers(-5, 10**12), max_size=3), scalars)})
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(body=body, path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]))
+    def check(body, path):
+        r = http.post(server.url + path, json=body)
+        assert r.status_code < 500, (body, r.text)
+        if r.status_code != 200:
+            ErrorResponse.model_validate(r.json())
+
+    try:
+        check()
+    finally:
+        http.close()

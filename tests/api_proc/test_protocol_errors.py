@@ -79,3 +79,13 @@ def test_validation_messages_leave_the_input_out():
             {"type": "image_url", "image_url": {"url": secret, "detail": "ultra"}}]}]})
     message = format_validation_errors(e.value.errors(include_input=False))
     assert "detail" in message and "S3CR3T" not in message
+
+
+@pytest.mark.parametrize("field, value", [
+    ("seed", 2**64), ("seed", -1), ("top_k", 2**40), ("stop_token_ids", [2**40]),
+    ("stop_token_ids", [-1]),
+])
+def test_numbers_that_cannot_reach_the_engine_are_refused(field, value):
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                              field: value})
