@@ -266,3 +266,11 @@ class RequestStream:
             await self._rpc_stream.aclose()
         finally:
             self._client.abort_soon(self._engine, self.request_id)
+
+    def __del__(self) -> None:
+        # Safety net for a stream dropped unconsumed (e.g. the client left before the
+        # response body started): settle the counters; the rpc stream's own finalizer
+        # cancels a started call, and the abort covers the rest.
+        if not self._done:
+            self._finish()
+            self._client.abort_soon(self._engine, self.request_id)

@@ -173,3 +173,15 @@ async def test_engine_process_death_fails_the_stream_with_503(fresh_engine_doubl
             client.pick()
     finally:
         await client.close()
+
+
+async def test_dropped_unconsumed_stream_settles_its_counters():
+    rpc = FakeRpc()
+    client = EngineClient([EngineHandle("a", rpc)])
+    client.submit(_req("dropped"))  # never iterated, never closed
+    import gc
+
+    gc.collect()
+    assert client.num_in_flight == 0 and client.engines[0].num_tokens == 0
+    await asyncio.sleep(0.01)
+    assert ("abort", "dropped") in rpc.calls
