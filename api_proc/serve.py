@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 
 from api_proc.cli import DEFAULT_MAX_MODEL_LEN, ENGINE_FLAGS
 from api_proc.config import ApiConfig
@@ -26,6 +27,14 @@ def _resolve_model(args: argparse.Namespace) -> tuple[str, str]:
     return path, args.served_model_name or "flatserve-tiny-qwen2.5-vl"
 
 
+class _Stop(Exception):
+    pass
+
+
+def _raise_stop(signum, frame) -> None:
+    raise _Stop(signal.Signals(signum).name)
+
+
 def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -45,6 +54,10 @@ def run_server(args: argparse.Namespace) -> int:
         for rank in range(args.engines)
     ]
     handles = []
+    # uvicorn re-raises the SIGINT/SIGTERM it caught once it has shut down; with these
+    # handlers that lands in the `except` below, so engines and socket files are cleaned up.
+    signal.signal(signal.SIGTERM, _raise_stop)
+    signal.signal(signal.SIGINT, _raise_stop)
     try:
         try:
             handles = start_engines(configs, timeout_s=args.engine_start_timeout)
@@ -60,6 +73,9 @@ def run_server(args: argparse.Namespace) -> int:
                     ", ".join(f"{k}={v}" for k, v in MALLOC_ENV.items()))
         uvicorn.run(app, host=config.host, port=config.port, loop="uvloop",
                     log_level=args.log_level, timeout_graceful_shutdown=5)
+        return 0
+    except _Stop as stop:
+        logger.info("stopped by %s", stop)
         return 0
     finally:
         stop_engines(handles)

@@ -1,0 +1,114 @@
+"""Process lifecycle through a real `flatserve serve`: errors keep the server serving, a
+client that disconnects aborts its request in the engine, a dead engine is reported, and
+Ctrl-C leaves no process or socket file behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import psutil
+import pytest
+
+from rpc import Codec, RpcClient
+from shared.messages import WIRE_TYPES
+from tests.e2e.server_process import ServerProcess
+
+MODEL = "flatserve-tiny-qwen2.5-vl"
+
+
+def _chat(url: str, body: dict, **kw) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", json={"model": MODEL, **body}, timeout=30, **kw)
+
+
+def _engine_stats(address: str):
+    async def go():
+        client = RpcClient(address, Codec(types=WIRE_TYPES))
+        try:
+            return await client.call("stats", timeout=5)
+        finally:
+            await client.close()
+
+    return asyncio.run(go())
+
+
+def test_bad_requests_get_openai_errors_and_server_keeps_serving(server):
+    cases = [
+        ({"messages": [{"role": "user", "content": "hi"}], "model": "nope"}, 404),
+        ({"messages": "not a list"}, 400),
+        ({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,!!!"}}]}]}, 400),
+        ({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]}, 400),
+        ({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://127.0.0.1:1/x.png"}}]}]}, 400),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**7}, 400),
+        ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400),
+    ]
+    for body, status in cases:
+        r = _chat(server.url, {"max_tokens": 2, **body})
+        assert r.status_code == status, (body, r.text)
+        error = r.json()["error"]
+        assert error["message"] and error["type"]
+    r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json",
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert _chat(server.url, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).status_code == 200
+
+
+def test_client_disconnect_aborts_the_request_in_the_engine(server):
+    address = httpx.get(server.url + "/health").json()["engines"][0]["address"]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "tell me everything"}],
+            "max_tokens": 4000, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        for _ in range(6):
+            next(lines)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        stats = _engine_stats(address)
+        if stats.num_running == 0 and stats.num_waiting == 0:
+            break
+        time.sleep(0.1)
+    assert (stats.num_running, stats.num_waiting) == (0, 0)
+    assert stats.num_kv_blocks_free == stats.num_kv_blocks_total
+
+
+def test_engine_killed_mid_stream_fails_cleanly_and_health_says_so(tmp_path):
+    proc = ServerProcess(log_path=tmp_path / "server.log").wait_ready()
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "go on"}],
+                "max_tokens": 4000, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", proc.url + "/v1/chat/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            next(lines)
+            os.kill(proc.engine_pids()[0], signal.SIGKILL)
+            rest = "\n".join(lines)
+        assert '"error"' in rest  # the stream ends with an error event, not a hang
+        health = httpx.get(proc.url + "/health", timeout=5)
+        assert health.status_code == 503
+        assert "exited" in health.text or "unavailable" in health.text
+        r = _chat(proc.url, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert r.status_code == 503
+        assert r.json()["error"]["message"]
+    finally:
+        proc.stop()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_stop_leaves_no_process_or_socket_file(tmp_path, sig):
+    proc = ServerProcess(log_path=tmp_path / "server.log").wait_ready()
+    engines = proc.engine_pids()
+    assert engines
+    assert psutil.Process(engines[0]).cmdline()[0] == "flatserve: engine 0"
+    socket_file = httpx.get(proc.url + "/health").json()["engines"][0]["address"][len("ipc://"):]
+    assert os.path.exists(socket_file)
+    assert proc.stop(sig) == 0
+    time.sleep(0.5)
+    for pid in engines:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert not os.path.exists(os.path.dirname(socket_file)), proc.log_tail()
