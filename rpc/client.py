@@ -121,7 +121,7 @@ class RpcClient:
         self._state = _CONNECTING
         self._lost_reason = ""
         self._ready_waiters: list[asyncio.Future[None]] = []
-        self._last_recv = 0.0
+        self._unanswered_since: float | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sock: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None
@@ -281,12 +281,22 @@ class RpcClient:
     async def _heartbeat_loop(self) -> None:
         while self._state != _CLOSED:
             await asyncio.sleep(self._heartbeat_interval)
+            if self._reader is not None and self._reader.input_pending():
+                # Replies are waiting: this loop was busy, the server was not silent.
+                self._reader.kick()
+                continue
             self._send_ping()
-            silent = time.monotonic() - self._last_recv
-            if self._state == _AVAILABLE and silent > self._heartbeat_timeout:
-                self._lose(f"no heartbeat from the server for {silent:.2f} s")
+            since = self._unanswered_since
+            if self._state == _AVAILABLE and since is not None:
+                silent = time.monotonic() - since
+                if silent > self._heartbeat_timeout:
+                    self._lose(f"no answer to heartbeats for {silent:.2f} s")
 
     def _send_ping(self) -> None:
+        # Silence counts from the first ping sent after the last message received, not
+        # from that message: a stall of this loop (no pings sent) says nothing about the server.
+        if self._unanswered_since is None:
+            self._unanswered_since = time.monotonic()
         if self._outbox is not None:
             self._outbox.send_now_or_drop(None, self._ping)
 
@@ -296,6 +306,7 @@ class RpcClient:
         log.warning("rpc client: server at %s unavailable: %s", self.address, reason)
         self._state = _UNAVAILABLE
         self._lost_reason = reason
+        self._unanswered_since = None
         self._fail_all(ServerUnavailable, f"server at {self.address} unavailable: {reason}")
         self._close_socket(linger_ms=0)
         self._open_socket()
@@ -321,7 +332,7 @@ class RpcClient:
     # -- receiving ----------------------------------------------------------------------------
 
     def _on_message(self, frames: list[zmq.Frame]) -> None:
-        self._last_recv = time.monotonic()
+        self._unanswered_since = None
         if self._state == _CONNECTING or self._state == _UNAVAILABLE:
             self._state = _AVAILABLE
             self._lost_reason = ""

@@ -141,7 +141,7 @@ class Outbox:
         if self._routed:
             frames.insert(0, peer)
         try:
-            send_frames(self._sock, frames, 3 if self._routed else 2)
+            send_frames(self._sock, frames, 2 if self._routed else 1)
         except zmq.Again:
             return False
         except zmq.ZMQError as e:

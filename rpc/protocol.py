@@ -2,14 +2,14 @@
 
 Multipart layout (a ROUTER sees the peer's routing id in front of it):
 
-    [header, body, buffers of envelope 1 ..., buffers of envelope n ...]
-    header = msgpack [PROTOCOL_VERSION, [len_1, ..., len_n], [num_buffers_1, ..., num_buffers_n]]
-    body   = the n msgpack envelopes back to back (len_i bytes each)
+    [body, buffers of envelope 1 ..., buffers of envelope n ...]
+    body = header + the n msgpack envelopes back to back
+    header = little-endian u8 PROTOCOL_VERSION, u32 n, then n pairs (u32 length, u32 buffers)
 
 Each envelope is a msgpack array [kind, call_id, ...]; its out-of-band buffer indices count
 from its own first buffer, so an envelope is encoded once, when it is posted, and batching
-only concatenates. Envelopes for one peer posted in the same event-loop tick share one send,
-and small ones share one frame: zmq's cost is per frame, not per byte.
+only concatenates. Envelopes for one peer posted in the same event-loop tick share one send
+and one frame: zmq's cost is per message and frame, not per byte.
 
 client -> server
     CALL    [CALL, id, method, args, timeout_s | None]
@@ -27,6 +27,7 @@ server -> client
 
 from __future__ import annotations
 
+import struct
 import traceback
 from collections.abc import Sequence
 from typing import Any
@@ -45,6 +46,8 @@ from rpc.errors import (
 )
 
 PROTOCOL_VERSION = 1
+_HEADER = struct.Struct("<BI")
+_HEADER_ONE = struct.Struct("<BIII")
 
 CALL = 1
 STREAM = 2
@@ -83,13 +86,16 @@ def pack_envelope(codec: Codec, envelope: list[Any]) -> Encoded:
 
 def batch_frames(items: Sequence[Encoded]) -> list[Buffer]:
     """Frames of one multipart message carrying `items` in order."""
-    if len(items) == 1:
+    n = len(items)
+    if n == 1:
         doc, bufs = items[0]
-        return [msgpack.packb([PROTOCOL_VERSION, [len(doc)], [len(bufs)]]), doc, *bufs]
-    header = msgpack.packb(
-        [PROTOCOL_VERSION, [len(doc) for doc, _ in items], [len(bufs) for _, bufs in items]]
-    )
-    frames: list[Buffer] = [header, b"".join([doc for doc, _ in items])]
+        return [_HEADER_ONE.pack(PROTOCOL_VERSION, 1, len(doc), len(bufs)) + doc, *bufs]
+    sizes = []
+    for doc, bufs in items:
+        sizes += (len(doc), len(bufs))
+    parts = [_HEADER.pack(PROTOCOL_VERSION, n), struct.pack(f"<{2 * n}I", *sizes)]
+    parts += [doc for doc, _ in items]
+    frames: list[Buffer] = [b"".join(parts)]
     for _, bufs in items:
         frames.extend(bufs)
     return frames
@@ -97,37 +103,30 @@ def batch_frames(items: Sequence[Encoded]) -> list[Buffer]:
 
 def split_batch(frames: Sequence[Buffer]) -> list[tuple[Buffer, Sequence[Buffer]]]:
     """Inverse of `batch_frames`: [(envelope document, its buffers)]. Raises DecodeError."""
-    if len(frames) < 2:
-        raise DecodeError(f"message of {len(frames)} frame(s), expected header and body")
-    head, body = frames[0], frames[1]
-    if isinstance(head, zmq.Frame):
-        head = head.buffer
-    try:
-        header = msgpack.unpackb(head)
-    except Exception as e:
-        raise DecodeError(f"bad batch header: {type(e).__name__}: {e}") from e
-    if not (isinstance(header, list) and len(header) == 3 and header[0] == PROTOCOL_VERSION):
-        raise DecodeError(f"bad batch header (protocol version {PROTOCOL_VERSION} expected)")
-    lengths, counts = header[1], header[2]
-    if not (
-        isinstance(lengths, list)
-        and isinstance(counts, list)
-        and len(lengths) == len(counts)
-        and all(type(n) is int and n >= 0 for n in lengths)
-        and all(type(n) is int and n >= 0 for n in counts)
-    ):
-        raise DecodeError("bad lengths or buffer counts in batch header")
+    if not frames:
+        raise DecodeError("empty message")
+    body = frames[0]
     body = body.buffer if isinstance(body, zmq.Frame) else memoryview(body)
-    if sum(lengths) != body.nbytes:
-        raise DecodeError(f"batch body has {body.nbytes} bytes, header announces {sum(lengths)}")
-    if len(frames) != 2 + sum(counts):
+    size = body.nbytes
+    if size < _HEADER.size:
+        raise DecodeError(f"message body of {size} bytes is shorter than its header")
+    version, n = _HEADER.unpack_from(body, 0)
+    if version != PROTOCOL_VERSION:
+        raise DecodeError(f"protocol version {version}, expected {PROTOCOL_VERSION}")
+    start = _HEADER.size + 8 * n
+    if start > size:
+        raise DecodeError(f"header announces {n} envelopes, body has only {size} bytes")
+    sizes = struct.unpack_from(f"<{2 * n}I", body, _HEADER.size)
+    if start + sum(sizes[0::2]) != size:
+        raise DecodeError("envelope lengths do not add up to the body size")
+    if 1 + sum(sizes[1::2]) != len(frames):
         raise DecodeError(
-            f"batch announces {sum(counts)} buffers but has {len(frames) - 2} buffer frames"
+            f"header announces {sum(sizes[1::2])} buffers, message has {len(frames) - 1}"
         )
     out: list[tuple[Buffer, Sequence[Buffer]]] = []
-    start = 0
-    pos = 2
-    for length, count in zip(lengths, counts, strict=True):
+    pos = 1
+    for i in range(n):
+        length, count = sizes[2 * i], sizes[2 * i + 1]
         out.append((body[start : start + length], frames[pos : pos + count]))
         start += length
         pos += count

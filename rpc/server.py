@@ -371,6 +371,9 @@ class RpcServer:
         its calls (suspended generators included) must not live on."""
         while True:
             await asyncio.sleep(self._peer_timeout / 4)
+            if self._reader is not None and self._reader.input_pending():
+                self._reader.kick()  # this loop was busy: judge peers once it caught up
+                continue
             now = time.monotonic()
             for peer_id, peer in list(self._peers.items()):
                 if now - peer.last_seen > self._peer_timeout:

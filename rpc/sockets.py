@@ -82,6 +82,9 @@ class SocketReader:
             self._loop.remove_reader(self._fd)
             self._fd = None
 
+    def input_pending(self) -> bool:
+        return self._fd is not None and bool(self._sock.getsockopt(EVENTS) & POLLIN)
+
     def kick(self) -> None:
         if self._fd is None or self._scheduled:
             return
