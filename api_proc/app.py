@@ -26,7 +26,7 @@ from api_proc.media_loader import MediaLoader
 from api_proc.metrics import Metrics
 from api_proc.prompt_builder import PromptBuilder
 from api_proc.protocol import ModelCard, ModelList
-from api_proc.serving import ClientGone, Prepared, Serving
+from api_proc.serving import ClientGone, Prepared, RequestBody, Serving, read_body
 from shared.model_config import load_model_config
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -99,10 +99,13 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
             raise AuthenticationError("invalid or missing API key (Authorization: Bearer ...)")
 
     async def handle(endpoint: str, request: Request,
-                     prepare: Callable[[Request], Awaitable[Prepared]]) -> Response:
+                     prepare: Callable[[RequestBody, float], Awaitable[Prepared]]) -> Response:
+        arrival = time.monotonic()
         metrics.num_preparing.inc()
         try:
-            prepared = await run_until_disconnect(request, prepare(request))
+            # The body is read before the disconnect watcher starts: both would receive().
+            body = RequestBody(await read_body(request, config.max_body_bytes))
+            prepared = await run_until_disconnect(request, prepare(body, arrival))
         except APIError as e:
             metrics.count_request(endpoint, e.status)
             return error_response(e)

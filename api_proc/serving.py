@@ -62,6 +62,21 @@ class ClientGone(Exception):
     """The HTTP client disconnected; nothing is sent back."""
 
 
+class RequestBody:
+    """Holder of a request's raw bytes; the pipeline takes them out (R1)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes):
+        self.data: bytes | None = data
+
+    def take(self) -> bytes:
+        data, self.data = self.data, None
+        if data is None:
+            raise RuntimeError("request body already taken")
+        return data
+
+
 @dataclass(eq=False)
 class Choice:
     index: int
@@ -126,9 +141,10 @@ async def _settle(coros) -> list:
     """Run coroutines concurrently and let every one finish before the first error is raised:
     worker-pool jobs cannot be interrupted, and their memory counts until they end."""
     results = await asyncio.gather(*coros, return_exceptions=True)
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
+    error = next((r for r in results if isinstance(r, BaseException)), None)
+    if error is not None:
+        results = None  # R1: the traceback keeps this frame; not the other images' pixels
+        raise error
     return results
 
 
@@ -170,9 +186,8 @@ class Serving:
         if n > self.config.max_n:
             raise BadRequestError(f"n is {n}; at most max_n={self.config.max_n}", param="n")
 
-    async def prepare_chat(self, raw: Request) -> Prepared:
-        arrival = time.monotonic()
-        req = _parse(ChatCompletionRequest, await read_body(raw, self.config.max_body_bytes))
+    async def prepare_chat(self, body: RequestBody, arrival: float) -> Prepared:
+        req = _parse(ChatCompletionRequest, body.take())
         self._check_model(req.model)
         self._check_n(req.n)
         refs = [MediaRef(part.image_url.url) for m in req.messages if isinstance(m.content, list)
@@ -200,9 +215,8 @@ class Serving:
         encoded = None
         return self._prepared("chat", rid, arrival, settings, len(prompt_ids), streams)
 
-    async def prepare_completion(self, raw: Request) -> Prepared:
-        arrival = time.monotonic()
-        req = _parse(CompletionRequest, await read_body(raw, self.config.max_body_bytes))
+    async def prepare_completion(self, body: RequestBody, arrival: float) -> Prepared:
+        req = _parse(CompletionRequest, body.take())
         self._check_model(req.model)
         self._check_n(req.n)
         prompts = req.prompt

@@ -335,3 +335,17 @@ def test_no_bad_input_is_a_500(start_app, engine_double):
         check()
     finally:
         http.close()
+
+
+def test_slowly_uploaded_body_arrives_whole(server):
+    body = json.dumps({"messages": [{"role": "user", "content": image_content(
+        encode_image(300, 300), text="slow upload")}], "max_tokens": 300}).encode()
+
+    def pieces():
+        for i in range(0, len(body), 16_384):
+            time.sleep(0.01)
+            yield body[i:i + 16_384]
+    r = httpx.post(server.url + "/v1/chat/completions", content=pieces(), timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    assert "slow upload" in r.json()["choices"][0]["message"]["content"]
