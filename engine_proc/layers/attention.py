@@ -152,6 +152,8 @@ def build_attention_metadata(
         # A whole prompt in one chunk: attend to the new keys directly, plain causal.
         return AttentionMetadata(slots, [_Part("causal", 0, num_tokens)])
     num_decodes = _num_leading_decodes(ctx)
+    if num_decodes >= num_seqs:
+        return AttentionMetadata(slots, [_decode_part(ctx, num_seqs, block_size, dtype)])
     parts = []
     if num_decodes:
         parts.append(_decode_part(ctx, num_decodes, block_size, dtype))
@@ -162,7 +164,7 @@ def build_attention_metadata(
 def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     """cache [blocks, block_size, H, D], tables [B, n] -> [B, H, n * block_size, D]."""
     b, n = block_tables.shape
-    kv = cache.index_select(0, block_tables.view(-1))  # 2-3x faster than cache[tables] on CPU
+    kv = cache.index_select(0, block_tables.reshape(-1))  # 2-3x faster than cache[tables] on CPU
     return kv.view(b, n * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
 
 

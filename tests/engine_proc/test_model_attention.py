@@ -30,7 +30,7 @@ class _Cache:
         self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).tolist()
         self.tables, self.history = {}, {}
 
-    def step(self, spans, num_decodes=None):
+    def step(self, spans, num_decodes=None, all_decode=None):
         """spans: (key, q_len). Runs one forward; returns (output, reference output)."""
         qs, ks, vs, qsl, seq_lens, slots, tables = [], [], [], [0], [], [], []
         for key, q_len in spans:
@@ -55,7 +55,7 @@ class _Cache:
             block_tables=block_tables,
             max_q_len=max(q for _, q in spans),
             max_seq_len=max(seq_lens),
-            all_decode=all(q == 1 for _, q in spans),
+            all_decode=all(q == 1 for _, q in spans) if all_decode is None else all_decode,
         )
         if num_decodes is not None:
             ctx.num_decodes = num_decodes
@@ -90,6 +90,15 @@ def test_mixed_flat_batches_match_reference(num_decodes):
             assert kinds == (["padded"] if num_decodes == 0 else ["decode", "padded"])
         else:
             assert kinds == [kind]
+
+
+def test_one_token_spans_not_flagged_all_decode_take_the_decode_path():
+    torch.manual_seed(0)
+    cache = _Cache(Attention(HEADS, KV_HEADS, DIM))
+    cache.step([("a", 7), ("b", 3)])
+    out, expected, meta = cache.step([("a", 1), ("b", 1)], all_decode=False)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert [p.kind for p in meta.parts] == ["decode"]
 
 
 def test_without_cache_each_sequence_sees_only_itself():
