@@ -15,7 +15,10 @@ from api_proc.protocol import (
     CompletionResponse,
     ErrorResponse,
 )
+from shared.tiny_checkpoint import CHECKPOINT_VERSION
 from tests.api_proc.conftest import data_url, encode_image
+
+MODEL = f"tiny-qwen2.5-vl-{CHECKPOINT_VERSION}"  # the tiny checkpoint folder's name
 
 
 def chat(server, content, timeout=30, **body):
@@ -55,7 +58,7 @@ def server(start_app, engine_double):
 
 def test_models_health_metrics(server):
     models = httpx.get(server.url + "/v1/models").json()
-    assert models["object"] == "list" and models["data"][0]["id"] == "tiny-qwen2.5-vl-v1"
+    assert models["object"] == "list" and models["data"][0]["id"] == MODEL
     health = httpx.get(server.url + "/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
     chat(server, "count me")

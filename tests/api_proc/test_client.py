@@ -11,7 +11,10 @@ import pytest
 from PIL import Image
 
 from api_proc import client as sdk
+from shared.tiny_checkpoint import CHECKPOINT_VERSION
 from tests.api_proc.conftest import encode_image
+
+MODEL = f"tiny-qwen2.5-vl-{CHECKPOINT_VERSION}"  # the tiny checkpoint folder's name
 
 
 @pytest.fixture
@@ -54,7 +57,7 @@ def test_build_messages():
 
 def test_sync_client(server):
     with sdk.Client(server.url, api_key="k") as client:
-        assert client.models() == ["tiny-qwen2.5-vl-v1"]
+        assert client.models() == [MODEL]
         assert client.health()["status"] == "ok"
         arr = np.random.default_rng(1).integers(0, 256, (64, 80, 3), dtype=np.uint8)
         result = client.chat(prompt="look 👀", images=[arr, Image.fromarray(arr)], max_tokens=300)
@@ -101,7 +104,7 @@ def test_payload_too_large_error(start_app, engine_double):
 
 async def test_async_client(server):
     async with sdk.AsyncClient(server.url, api_key="k") as client:
-        assert await client.models() == ["tiny-qwen2.5-vl-v1"]
+        assert await client.models() == [MODEL]
         assert (await client.health())["status"] == "ok"
         result = await client.chat(prompt="async 你好", images=[encode_image()], max_tokens=300)
         assert "async 你好" in result.text
@@ -113,26 +116,26 @@ async def test_async_client(server):
 
 def test_official_openai_client(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="k")
-    assert [m.id for m in client.models.list()] == ["tiny-qwen2.5-vl-v1"]
+    assert [m.id for m in client.models.list()] == [MODEL]
     url = sdk.image_to_url(np.full((40, 40, 3), 200, np.uint8))
     reply = client.chat.completions.create(
-        model="tiny-qwen2.5-vl-v1", max_tokens=300,
+        model=MODEL, max_tokens=300,
         messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": url, "detail": "high"}},
             {"type": "text", "text": "what colour?"}]}])
     assert "what colour?" in reply.choices[0].message.content
     assert reply.usage.prompt_tokens > 20
     chunks = list(client.chat.completions.create(
-        model="tiny-qwen2.5-vl-v1", max_tokens=5, stream=True,
+        model=MODEL, max_tokens=5, stream=True,
         stream_options={"include_usage": True}, messages=[{"role": "user", "content": "hi"}]))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "system\nYou"
     assert chunks[-1].usage.completion_tokens == 5
-    text = client.completions.create(model="tiny-qwen2.5-vl-v1", prompt="abc def", max_tokens=8)
+    text = client.completions.create(model=MODEL, prompt="abc def", max_tokens=8)
     assert text.choices[0].text == "abc def"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="tiny-qwen2.5-vl-v1", n=1000,
+        client.chat.completions.create(model=MODEL, n=1000,
                                        messages=[{"role": "user", "content": "x"}])
     bad_key = openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
