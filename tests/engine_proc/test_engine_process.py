@@ -1,0 +1,121 @@
+"""The engine process's RPC side: requests stream through a real socket, and no frame of the
+I/O thread or the busy loop keeps an image after the prefill that consumed it (R1, R3)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import weakref
+
+import numpy as np
+import pytest
+
+from engine_proc.engine_process import EngineProcess
+from rpc import Codec, IpcDir, RpcClient
+from shared.engine_config import EngineConfig
+from shared.messages import WIRE_TYPES, GenerateRequest, ImageInput
+from shared.model_config import load_model_config
+from shared.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path):
+    with IpcDir() as ipc:
+        config = EngineConfig(model=str(tiny_model_path), address=ipc.address("engine"),
+                              kv_cache_memory_bytes=32 << 20, max_num_seqs=8)
+        process = EngineProcess(config)
+        arrived: list[weakref.ref] = []
+        add_request = process.engine.add_request
+
+        def observe(request: GenerateRequest) -> None:
+            arrived.extend(weakref.ref(image.pixels) for image in request.images)
+            add_request(request)
+
+        process.engine.add_request = observe
+        thread = threading.Thread(target=process.run, daemon=True)
+        thread.start()
+        yield process, arrived
+        process.stop()
+        thread.join(timeout=10)
+
+
+def _image_request(cfg, request_id: str, side: int, max_tokens: int) -> GenerateRequest:
+    grid = (1, side // cfg.vision.patch_size, side // cfg.vision.patch_size)
+    pixels = np.random.default_rng(0).integers(0, 256, (side, side, 3), dtype=np.uint8)
+    n = grid[1] * grid[2] // cfg.vision.spatial_merge_size**2
+    ids = [11, 12, cfg.vision_start_token_id] + [cfg.image_token_id] * n + [cfg.vision_end_token_id, 13]
+    return GenerateRequest(request_id, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                          ignore_eos=True), [ImageInput(pixels, grid)])
+
+
+def test_images_are_gone_once_decoding(engine, tiny_model_path):
+    process, arrived = engine
+    cfg = load_model_config(tiny_model_path)
+
+    async def run():
+        client = RpcClient(process.config.address, Codec(types=WIRE_TYPES))
+        streams = [client.stream("generate", _image_request(cfg, f"r{i}", 112 + 28 * i, 40))
+                   for i in range(4)]
+        firsts = [await s.__anext__() for s in streams]
+        for _ in range(3):  # a few decode steps later, every prefill has run
+            for s in streams:
+                await s.__anext__()
+        gc.collect()
+        alive = [ref for ref in arrived if ref() is not None]
+        stats = await client.call("stats")
+        rest = []
+        for s in streams:
+            rest.append([o async for o in s])
+        await client.close()
+        return firsts, alive, stats, rest
+
+    firsts, alive, stats, rest = asyncio.run(run())
+    assert len(arrived) == 4
+    assert alive == [], "an image outlived the prefill that consumed it"
+    assert stats.mm_bytes_held == 0 and stats.num_running == 4
+    assert all(r[-1].finish_reason == "length" for r in rest)
+    assert all(f.num_prompt_tokens > 0 for f in firsts)
+
+
+def test_cancelled_stream_aborts_and_frees_everything(engine, tiny_model_path):
+    process, _ = engine
+    cfg = load_model_config(tiny_model_path)
+
+    async def run():
+        client = RpcClient(process.config.address, Codec(types=WIRE_TYPES))
+        stream = client.stream("generate", _image_request(cfg, "gone", 224, 10_000))
+        await stream.__anext__()
+        await stream.aclose()
+        for _ in range(100):
+            stats = await client.call("stats")
+            if stats.num_running == 0:
+                break
+            await asyncio.sleep(0.05)
+        await client.close()
+        return stats
+
+    stats = asyncio.run(run())
+    assert stats.num_running == 0 and stats.num_waiting == 0
+    assert stats.num_kv_blocks_free == stats.num_kv_blocks_total
+    assert stats.mm_bytes_held == 0
+
+
+def test_bad_request_fails_alone_with_a_typed_error(engine, tiny_model_path):
+    process, _ = engine
+    cfg = load_model_config(tiny_model_path)
+    from rpc import RemoteError
+
+    async def run():
+        client = RpcClient(process.config.address, Codec(types=WIRE_TYPES))
+        bad = GenerateRequest("bad", [cfg.image_token_id] * 3, SamplingParams(max_tokens=2))
+        with pytest.raises(RemoteError) as err:
+            [o async for o in client.stream("generate", bad)]
+        good = _image_request(cfg, "good", 56, 3)
+        outs = [o async for o in client.stream("generate", good)]
+        await client.close()
+        return err.value, outs
+
+    err, outs = asyncio.run(run())
+    assert "image" in str(err).lower()
+    assert sum(len(o.new_token_ids) for o in outs) == 3
