@@ -330,6 +330,8 @@ def _tensor_parts(t: Any) -> tuple[str, list[int], np.ndarray, list[int] | None]
                 t, perm = permuted, order
         if perm is None:
             t = t.contiguous()
+    if t.numel() == 0:
+        return name, shape, np.empty(0, dtype=np.uint8), perm
     return name, shape, t.reshape(-1).view(torch.uint8).numpy(), perm
 
 
