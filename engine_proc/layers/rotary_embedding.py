@@ -2,7 +2,7 @@
 
 Forward passes only gather rows of the tables (no cos/sin per step). Tables are computed
 in fp32 on the CPU exactly as transformers does, then moved to the device; rotation uses
-the half-split form x1*c - x2*s | x2*c + x1*s, which is bit-identical to HF's
+the half-split form x1*c - x2*s | x2*c + x1*s, which rounds exactly like HF's
 x*cos + rotate_half(x)*sin.
 """
 
@@ -16,12 +16,18 @@ def _inv_freq(dim: int, base: float) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [N, heads, D] with half tables cos/sin [N, D/2] (broadcast over heads)."""
-    x1, x2 = x.chunk(2, dim=-1)
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [N, heads, D] in place with half tables cos/sin [N, D/2] (broadcast over
+    heads): no concatenations, two temporaries."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
     cos = cos.unsqueeze(-2)
     sin = sin.unsqueeze(-2)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    x2_sin = x2 * sin
+    x1_sin = x1 * sin
+    x1.mul_(cos).sub_(x2_sin)
+    x2.mul_(cos).add_(x1_sin)
+    return x
 
 
 class MRotaryEmbedding(nn.Module):

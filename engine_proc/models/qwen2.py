@@ -10,7 +10,7 @@ from engine_proc.layers.activation import SiluAndMul
 from engine_proc.layers.attention import Attention, build_attention_metadata
 from engine_proc.layers.linear import MergedLinear
 from engine_proc.layers.rms_norm import RMSNorm
-from engine_proc.layers.rotary_embedding import MRotaryEmbedding, apply_rotary
+from engine_proc.layers.rotary_embedding import MRotaryEmbedding, apply_rotary_
 from shared.model_config import TextConfig
 
 
@@ -29,9 +29,8 @@ class Qwen2Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x).view(num_tokens, -1, self.head_dim)
-        qk = apply_rotary(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, self.num_heads + self.num_kv_heads :]
+        apply_rotary_(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         return self.o_proj(self.attn(q, k, v, meta))
 
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_proc.layers.rms_norm import RMSNorm
-from engine_proc.layers.rotary_embedding import VisionRotaryEmbedding, apply_rotary
+from engine_proc.layers.rotary_embedding import VisionRotaryEmbedding, apply_rotary_
 from engine_proc.models.qwen2 import Qwen2MLP
 from shared.model_config import VisionConfig
 
@@ -149,12 +149,15 @@ class VisionAttention(nn.Module):
         windowed: bool,
     ) -> torch.Tensor:
         n = x.shape[0]
-        qkv = self.qkv(x).view(n, 3 * self.num_heads, self.head_dim)
-        # Rotary in fp32 like transformers, then back to the model dtype.
-        qk = apply_rotary(qkv[:, : 2 * self.num_heads].float(), cos, sin).to(x.dtype)
-        qkv = torch.cat([qk, qkv[:, 2 * self.num_heads :]], dim=1).view(
-            n, 3, self.num_heads, self.head_dim
-        )
+        qkv = self.qkv(x).view(n, 3, self.num_heads, self.head_dim)
+        # Rotary in fp32 like transformers (in place when the model is fp32 already).
+        if qkv.dtype == torch.float32:
+            apply_rotary_(qkv[:, :2].view(n, 2 * self.num_heads, self.head_dim), cos, sin)
+        else:
+            qk = apply_rotary_(
+                qkv[:, :2].reshape(n, 2 * self.num_heads, self.head_dim).float(), cos, sin
+            )
+            qkv[:, :2] = qk.view(n, 2, self.num_heads, self.head_dim).to(qkv.dtype)
         if windowed:
             out = self._windows(qkv, layout)
         else:
