@@ -54,6 +54,7 @@ class LoopThread:
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run `coro` on the loop and block the calling thread for its result."""
         if threading.current_thread() is self._thread:
+            coro.close()
             raise RuntimeError("LoopThread.run called from the loop's own thread (deadlock)")
         return self.submit(coro).result(timeout)
 

@@ -15,6 +15,7 @@ runs the server in a `LoopThread` and hands data to handlers with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import os
@@ -89,7 +90,6 @@ class RpcServer:
         self._outbox: Outbox | None = None
         self._reaper: asyncio.Task[None] | None = None
         self._address: str | None = None
-        self._pid = os.getpid()
 
     # -- registration (before or after start, loop thread) ----------------------------------
 
@@ -169,6 +169,11 @@ class RpcServer:
         sock, self._sock = self._sock, None
         # A short linger lets the goodbye errors leave; zmq_close does not block on it.
         sock.close(linger=int(grace * 1000))
+        if self.address.startswith("ipc://"):
+            # zmq unlinks the socket file later, from its I/O thread; do it now so that
+            # "closed" means "gone" for whoever removes the directory next.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.address[len("ipc://"):])
 
     def call_soon_threadsafe(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run `fn(*args)` on the server's loop; callable from any thread."""
