@@ -141,12 +141,14 @@ class RpcClient:
     async def call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
         """Call a unary method and return its result. Raises RemoteError (the handler
         raised), DeadlineExceeded, ServerUnavailable, EncodeError or ClientClosed."""
-        if self._state != _AVAILABLE:
-            await self._ensure_ready()
         outbox = self._outbox
+        if (
+            self._state != _AVAILABLE
+            or self._loop is not asyncio.get_running_loop()
+            or outbox.num_queued >= self._max_queued_sends  # type: ignore[union-attr]
+        ):
+            outbox = await self._wait_sendable()
         assert outbox is not None and self._loop is not None
-        if outbox.num_queued >= self._max_queued_sends:
-            await outbox.wait_for_room(self._max_queued_sends)
         call_id = next(self._ids)
         item = p.pack_envelope(self._codec, [p.CALL, call_id, method, list(args), timeout])
         del args  # R1: from here on only zmq holds the payload, until it is sent
@@ -243,6 +245,19 @@ class RpcClient:
             raise ClientClosed("client is closed")
         if self._state == _CONNECTING:
             await self.wait_ready(self._connect_timeout)
+
+    async def _wait_sendable(self) -> Outbox:
+        """The outbox to post a new call to, once the server answers and the outbox has
+        room. Re-checked after every wait: a lost server replaces the socket and outbox."""
+        self._attach()
+        while True:
+            if self._state != _AVAILABLE:
+                await self._ensure_ready()
+            outbox = self._outbox
+            assert outbox is not None
+            if outbox.num_queued < self._max_queued_sends:
+                return outbox
+            await outbox.wait_for_room(self._max_queued_sends)
 
     def _open_socket(self) -> None:
         assert self._loop is not None
@@ -411,12 +426,8 @@ class RpcClient:
             self._post_cancel(st.call_id)
 
     async def _start_stream(self, method: str, args: tuple[Any, ...], timeout: float | None) -> _StreamState:
-        if self._state != _AVAILABLE:
-            await self._ensure_ready()
-        outbox = self._outbox
-        assert outbox is not None and self._loop is not None
-        if outbox.num_queued >= self._max_queued_sends:
-            await outbox.wait_for_room(self._max_queued_sends)
+        outbox = await self._wait_sendable()
+        assert self._loop is not None
         call_id = next(self._ids)
         window = self.stream_window
         item = p.pack_envelope(self._codec, [p.STREAM, call_id, method, list(args), timeout, window])

@@ -276,6 +276,8 @@ class RpcServer:
             coro = self._run_unary(call, handler, args)
         args = env = None  # R1: only the task holds the arguments
         call.task = self._loop.create_task(coro)
+        # A task cancelled before its first step never enters its try/finally.
+        call.task.add_done_callback(lambda _, call=call: self._finish(call))
         if timeout is not None:
             call.deadline = self._loop.call_later(timeout, self._expire, call)
 

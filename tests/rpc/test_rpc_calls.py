@@ -125,6 +125,22 @@ async def test_server_enforces_the_deadline_itself(server: RpcServer, codec: Cod
         sock.close(0)
 
 
+async def test_call_cancelled_in_the_same_batch_leaves_nothing_behind(server: RpcServer, codec: Codec) -> None:
+    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    sock.connect(server.address)
+    try:
+        batch = [
+            p.pack_envelope(codec, [p.CALL, 1, "sleep", ["never", 30.0], None]),
+            p.pack_envelope(codec, [p.STREAM, 2, "forever", ["never"], None, 8]),
+            p.pack_envelope(codec, [p.CANCEL, 1]),
+            p.pack_envelope(codec, [p.CANCEL, 2]),
+        ]
+        await sock.send_multipart(p.batch_frames(batch))
+        await wait_until(lambda: server._peers and not any(peer.calls for peer in server._peers.values()))
+    finally:
+        sock.close(0)
+
+
 async def test_cancelling_the_caller_cancels_the_handler(client: RpcClient, obs: Observed) -> None:
     task = asyncio.ensure_future(client.call("sleep", "cancel-me", 30.0))
     await asyncio.sleep(0.1)
