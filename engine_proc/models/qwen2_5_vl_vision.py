@@ -8,7 +8,7 @@ permutes the sequence into window order and back; attention is the same either w
 this saves both permutations and the merger's final reorder.
 
 All layout (rotary positions, window gather/scatter indices) comes from the grids, which
-are host ints: it is built with numpy (cached per grid list) and copied to the device in
+are host ints: it is built with numpy (cached for small grid lists) and copied to the device in
 one non-blocking transfer, so the forward never waits on the device.
 """
 
@@ -53,7 +53,6 @@ class VisionLayout:
     image_sizes: tuple[int, ...]
 
 
-@lru_cache(maxsize=64)
 def _host_layout(grids: Grids, merge: int, window_units: int) -> _HostLayout:
     """Positions and window indices for a list of (t, h, w) patch grids.
 
@@ -108,6 +107,18 @@ def _host_layout(grids: Grids, merge: int, window_units: int) -> _HostLayout:
         image_sizes=tuple(sizes),
         max_side=int(max(max(h, w) for _, h, w in grids)),
     )
+
+
+_cached_host_layout = lru_cache(maxsize=32)(_host_layout)
+CACHED_LAYOUT_MAX_PATCHES = 16384  # R4: the layout cache stays under ~20 MB
+
+
+def host_layout(grids: Grids, merge: int, window_units: int) -> _HostLayout:
+    """Cached for small grid lists (frequent, cheap to keep); built fresh for big ones
+    (about 10 ms for 65k patches, next to seconds of vision compute)."""
+    if sum(t * h * w for t, h, w in grids) <= CACHED_LAYOUT_MAX_PATCHES:
+        return _cached_host_layout(grids, merge, window_units)
+    return _host_layout(grids, merge, window_units)
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -230,7 +241,7 @@ class Qwen2_5_VisionTransformer(nn.Module):
         self.rotary = VisionRotaryEmbedding(cfg.head_dim, VISION_ROPE_THETA, max_side, self.device)
 
     def layout(self, grids: Grids, dtype: torch.dtype) -> VisionLayout:
-        host = _host_layout(grids, self.merge, self.window_units)
+        host = host_layout(grids, self.merge, self.window_units)
         self.rotary.ensure_side(host.max_side)
         packed = np.concatenate(
             [host.pos_hw.reshape(-1), host.window_gather.reshape(-1), host.window_scatter]
