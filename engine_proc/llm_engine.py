@@ -25,6 +25,13 @@ __all__ = ["LLMEngine", "RequestRejected"]
 
 
 class LLMEngine:
+    """Synchronous engine over one model on one device.
+
+    KV cache size: `num_kv_blocks` if given, else `kv_cache_memory_bytes`, else
+    `kv_cache_memory_fraction` of free device memory on CUDA or 256 MiB on CPU; never more
+    blocks than `max_num_seqs` sequences of `max_model_len` tokens could use. `device`
+    defaults to cuda when available, `dtype` to the checkpoint's."""
+
     def __init__(
         self,
         model_path: str,
@@ -34,6 +41,7 @@ class LLMEngine:
         max_model_len: int | None = None,
         num_kv_blocks: int | None = None,
         kv_cache_memory_bytes: int | None = None,
+        kv_cache_memory_fraction: float = 0.8,
         block_size: int = 16,
         max_waiting: int = 4096,
         device: str | None = None,
@@ -49,6 +57,7 @@ class LLMEngine:
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
+            kv_cache_memory_fraction=kv_cache_memory_fraction,
             max_num_kv_blocks=max_num_seqs * -(-self.max_model_len // block_size),
             device=device,
             dtype=dtype,

@@ -25,6 +25,8 @@ from shared.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
+CPU_KV_CACHE_BYTES = 256 << 20  # default KV budget on CPU; on CUDA a fraction of free memory
+
 DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -107,11 +109,11 @@ class ModelRunner:
     ) -> int:
         if num_kv_blocks:
             return num_kv_blocks
-        if memory_bytes is None:
-            if not self.on_cuda:
-                raise ValueError("on CPU give num_kv_blocks or kv_cache_memory_bytes")
+        if memory_bytes is None and self.on_cuda:
             free, _ = torch.cuda.mem_get_info(self.device)
             memory_bytes = int(free * memory_fraction)
+        elif memory_bytes is None:
+            memory_bytes = CPU_KV_CACHE_BYTES
         num = memory_bytes // self.kv_block_bytes
         if max_num_kv_blocks:
             num = min(num, max_num_kv_blocks)  # more could never be used

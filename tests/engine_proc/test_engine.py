@@ -277,3 +277,14 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(
     model.encode_images = original
     out = run(engine, [make_request(config, "img", ONE_IMAGE)])
     assert out["img"] == reference.greedy(config, ONE_IMAGE)
+
+
+def test_kv_cache_sizing(tiny_model_path):
+    # capped at what max_num_seqs sequences of max_model_len tokens could use
+    engine = LLMEngine(str(tiny_model_path), max_num_seqs=2, max_model_len=512, device="cpu")
+    assert engine.stats().num_kv_blocks_total == 2 * 512 // 16
+    # a byte budget: 4 layers x K and V x 16 tokens x 2 heads x 32 dims x 4 bytes per block
+    engine = LLMEngine(str(tiny_model_path), kv_cache_memory_bytes=1 << 20, device="cpu")
+    assert engine.model_runner.kv_block_bytes == 32768
+    assert engine.stats().num_kv_blocks_total == 32
+    assert engine.model_runner.kv_cache.shape == (2, 4, 32, 16, 2, 32)
