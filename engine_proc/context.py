@@ -12,6 +12,9 @@ Contract between the model runner (writes it) and layers/attention.py (reads it)
                    where each new token's K/V is written.
 - block_tables:    int32 [num_seqs, max_blocks], padded with -1.
 - max_q_len / max_seq_len: python ints, so layers need no device->host sync.
+- num_decodes:     python int, the number of leading q_len == 1 sequences (decodes come
+                   first in the flat batch), so attention can split them off the padded
+                   prefill path without a host sync; None if unknown.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class Context:
     max_q_len: int
     max_seq_len: int
     all_decode: bool = False
+    num_decodes: int | None = None
 
 
 _CONTEXT: Context | None = None
