@@ -7,14 +7,17 @@ receiver builds the array over the received buffer (np.frombuffer / torch.frombu
 256 MB tensor crosses the process boundary without a Python-level copy. Smaller arrays travel
 inline. Nothing is ever pickled.
 
-msgpack extension types used on the wire (payload is itself msgpack):
-  1 ndarray   [dtype, shape, data, perm]   data: buffer index (int) or inline bytes
-  2 tensor    [dtype, shape, data, perm]   perm: None for C order, else the buffer holds
-                                           x.transpose(perm) in C order (zero-copy for
-                                           transposed / permuted views)
-  3 tuple     [items...]                   (msgpack arrays come back as lists)
-  4 struct    [name, [field values...]]    a dataclass registered with the codec
-  5 npscalar  [dtype, bytes]               a numpy scalar such as np.float32(1.5)
+Tagged values are msgpack arrays whose first item is a marker (a msgpack extension value
+with an empty or name payload); everything after it is plain msgpack, packed in one pass with
+no nested documents:
+  [ext 1 ndarray, dtype, shape, data, perm]   data: buffer index (int) or inline bytes
+  [ext 2 tensor, dtype, shape, data, perm]    perm: None for C order, else the buffer holds
+                                              x.transpose(perm) in C order (zero-copy for
+                                              transposed / permuted views)
+  [ext 3 tuple, items...]                     (plain msgpack arrays come back as lists)
+  [ext 4 "Name" struct, field values...]      a dataclass registered with the codec
+  [ext 5 npscalar, dtype, bytes]              a numpy scalar such as np.float32(1.5)
+msgpack.ExtType values are therefore reserved: user data must not contain them.
 
 Wire byte order is little-endian (the host order of every platform torch supports).
 Thread-safety: a Codec is immutable after construction; encode/decode may run in any thread.
@@ -25,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -58,12 +62,37 @@ _name_by_torch: dict[Any, str] | None = None
 Buffer = Any  # anything with the buffer protocol: zmq.Frame, memoryview, bytes, np.ndarray
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class _Struct:
     name: str
     cls: type
     field_names: tuple[str, ...]
     positional: bool  # no kw_only fields: build with cls(*values)
+    marker: msgpack.ExtType  # built once: the encoder emits it as is
+
+    def build(self, values: list[Any]) -> Any:
+        if len(values) != len(self.field_names):
+            raise DecodeError(f"{self.name}: expected {len(self.field_names)} field values")
+        try:
+            if self.positional:
+                return self.cls(*values)
+            return self.cls(**dict(zip(self.field_names, values, strict=True)))
+        except Exception as e:
+            raise DecodeError(f"cannot rebuild {self.name}: {type(e).__name__}: {e}") from e
+
+
+class _Tag:
+    """What a marker decodes to until the array it heads is complete (see list_hook)."""
+
+    __slots__ = ("code", "struct")
+
+    def __init__(self, code: int, struct: _Struct | None = None) -> None:
+        self.code = code
+        self.struct = struct
+
+
+_MARKERS = {code: msgpack.ExtType(code, b"") for code in (EXT_NDARRAY, EXT_TENSOR, EXT_TUPLE, EXT_NPSCALAR)}
+_TAGS = {code: _Tag(code) for code in _MARKERS}
 
 
 class Codec:
@@ -89,8 +118,10 @@ class Codec:
         if inline_threshold < 0:
             raise ValueError(f"inline_threshold must be >= 0, got {inline_threshold}")
         self.inline_threshold = inline_threshold
+        self._local = threading.local()  # one _Encoder (and its msgpack Packer) per thread
         self._struct_by_name: dict[str, _Struct] = {}
         self._struct_by_type: dict[type, _Struct] = {}
+        self._tag_by_name: dict[bytes, _Tag] = {}
         named = types.items() if isinstance(types, Mapping) else ((t.__qualname__, t) for t in types)
         for name, cls in named:
             self._register(name, cls)
@@ -110,9 +141,11 @@ class Codec:
             cls=cls,
             field_names=tuple(f.name for f in fields),
             positional=not any(getattr(f, "kw_only", False) for f in fields),
+            marker=msgpack.ExtType(EXT_STRUCT, name.encode()),
         )
         self._struct_by_name[name] = struct
         self._struct_by_type[cls] = struct
+        self._tag_by_name[name.encode()] = _Tag(EXT_STRUCT, struct)
 
     @property
     def type_names(self) -> tuple[str, ...]:
@@ -138,10 +171,11 @@ class Codec:
         """Encode `obj` to a msgpack document; append its out-of-band buffers to `buffers`
         (indices in the document are relative to the length `buffers` had on entry)."""
         base = len(buffers)
+        encoder = getattr(self._local, "encoder", None)
+        if encoder is None:
+            encoder = self._local.encoder = _Encoder(self)
         try:
-            return msgpack.packb(
-                obj, default=_Encoder(self, buffers).default, use_bin_type=True, strict_types=True
-            )
+            return encoder.pack(obj, buffers)
         except EncodeError:
             del buffers[base:]
             raise
@@ -152,30 +186,42 @@ class Codec:
     def unpack(self, doc: Buffer, buffers: Sequence[Buffer]) -> Any:
         """Decode one document; out-of-band indices refer to `buffers`. Raises only
         DecodeError on malformed input."""
+        decoder = _Decoder(self, buffers)
         try:
             if isinstance(doc, zmq.Frame):
                 doc = doc.buffer
-            return msgpack.unpackb(
-                doc, ext_hook=_Decoder(self, buffers).hook, raw=False, strict_map_key=False
+            value = msgpack.unpackb(
+                doc, ext_hook=decoder.ext_hook, list_hook=decoder.list_hook,
+                raw=False, strict_map_key=False,
             )
         except DecodeError:
             raise
         except Exception as e:  # msgpack, numpy, torch and dataclass __init__ errors alike
             raise DecodeError(f"malformed message: {type(e).__name__}: {e}") from e
+        if decoder.num_tags:
+            raise DecodeError("a type marker outside the head of an array")
+        return value
 
 
 class _Encoder:
-    """msgpack `default` hook for one `Codec.pack` call (owns that call's buffer list)."""
+    """msgpack `default` hook around one reusable Packer (`msgpack.packb` allocates a fresh
+    256 KiB buffer per call, measured several times slower). Lives in a thread-local of its
+    Codec; `buffers` is set for the duration of one `pack` call."""
 
-    __slots__ = ("codec", "buffers", "base")
+    __slots__ = ("codec", "buffers", "base", "packer")
 
-    def __init__(self, codec: Codec, buffers: list[Buffer]) -> None:
+    def __init__(self, codec: Codec) -> None:
         self.codec = codec
-        self.buffers = buffers
-        self.base = len(buffers)
+        self.buffers: list[Buffer] = []
+        self.base = 0
+        self.packer = msgpack.Packer(default=self.default, use_bin_type=True, strict_types=True)
 
-    def nested(self, value: Any) -> bytes:
-        return msgpack.packb(value, default=self.default, use_bin_type=True, strict_types=True)
+    def pack(self, obj: Any, buffers: list[Buffer]) -> bytes:
+        self.buffers, self.base = buffers, len(buffers)
+        try:
+            return self.packer.pack(obj)
+        finally:
+            self.buffers = []  # R1: keep no reference to the arrays after the call
 
     def array_data(self, flat_u8: np.ndarray) -> bytes | int:
         if flat_u8.nbytes < self.codec.inline_threshold:
@@ -186,23 +232,20 @@ class _Encoder:
     def default(self, obj: Any) -> Any:
         tp = type(obj)
         if tp is tuple:
-            return msgpack.ExtType(EXT_TUPLE, self.nested(list(obj)))
+            return [_MARKERS[EXT_TUPLE], *obj]
         struct = self.codec._struct_by_type.get(tp)
         if struct is not None:
-            values = [getattr(obj, name) for name in struct.field_names]
-            return msgpack.ExtType(EXT_STRUCT, self.nested([struct.name, values]))
+            return [struct.marker, *[getattr(obj, name) for name in struct.field_names]]
         if isinstance(obj, np.ndarray):
             dtype, shape, flat, perm = _ndarray_parts(obj)
-            data = self.array_data(flat)
-            return msgpack.ExtType(EXT_NDARRAY, self.nested([dtype, shape, data, perm]))
+            return [_MARKERS[EXT_NDARRAY], dtype, shape, self.array_data(flat), perm]
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(obj, torch.Tensor):
             dtype, shape, flat, perm = _tensor_parts(obj)
-            data = self.array_data(flat)
-            return msgpack.ExtType(EXT_TENSOR, self.nested([dtype, shape, data, perm]))
+            return [_MARKERS[EXT_TENSOR], dtype, shape, self.array_data(flat), perm]
         if isinstance(obj, np.generic):
             dtype, _, flat, _ = _ndarray_parts(np.asarray(obj))
-            return msgpack.ExtType(EXT_NPSCALAR, self.nested([dtype, flat.tobytes()]))
+            return [_MARKERS[EXT_NPSCALAR], dtype, flat.tobytes()]
         if isinstance(obj, tuple):
             return tuple(obj)
         if isinstance(obj, str):
@@ -228,56 +271,53 @@ class _Encoder:
 
 
 class _Decoder:
-    """msgpack `ext_hook` for one `Codec.unpack` call."""
+    """msgpack hooks for one `Codec.unpack` call. A marker decodes to a _Tag; when the array
+    it heads is complete, list_hook turns the array into the tagged value. msgpack completes
+    inner arrays first, so values nest naturally. `num_tags` counts tags not yet consumed:
+    a marker anywhere but at the head of an array is malformed input."""
 
-    __slots__ = ("codec", "buffers")
+    __slots__ = ("codec", "buffers", "num_tags")
 
     def __init__(self, codec: Codec, buffers: Sequence[Buffer]) -> None:
         self.codec = codec
         self.buffers = buffers
+        self.num_tags = 0
 
-    def nested(self, data: bytes) -> Any:
-        return msgpack.unpackb(data, ext_hook=self.hook, raw=False, strict_map_key=False)
-
-    def hook(self, code: int, data: bytes) -> Any:
-        if code == EXT_TUPLE:
-            items = self.nested(data)
-            _expect(isinstance(items, list), "tuple payload is not a list")
-            return tuple(items)
+    def ext_hook(self, code: int, data: bytes) -> Any:
         if code == EXT_STRUCT:
-            return self.struct(self.nested(data))
-        if code == EXT_NDARRAY:
-            return _decode_ndarray(self.nested(data), self.buffers)
-        if code == EXT_TENSOR:
-            return _decode_tensor(self.nested(data), self.buffers)
-        if code == EXT_NPSCALAR:
-            parts = self.nested(data)
-            _expect(isinstance(parts, list) and len(parts) == 2, "bad numpy scalar payload")
-            dtype = _numpy_dtype(parts[0])
-            raw = parts[1]
-            _expect(isinstance(raw, bytes) and len(raw) == dtype.itemsize, "bad numpy scalar bytes")
-            return np.frombuffer(raw, dtype=dtype)[0]
-        raise DecodeError(f"unknown msgpack extension type {code}")
+            tag = self.codec._tag_by_name.get(data)
+            if tag is None:
+                name = data.decode(errors="replace")
+                raise DecodeError(
+                    f"unknown wire type {name!r} (registered: "
+                    f"{', '.join(self.codec.type_names) or 'none'})"
+                )
+        else:
+            tag = _TAGS.get(code)
+            if tag is None or data:
+                raise DecodeError(f"unknown msgpack extension type {code}")
+        self.num_tags += 1
+        return tag
 
-    def struct(self, parts: Any) -> Any:
-        _expect(isinstance(parts, list) and len(parts) == 2, "bad struct payload")
-        name, values = parts
-        structs = self.codec._struct_by_name
-        struct = structs.get(name) if isinstance(name, str) else None
-        if struct is None:
-            raise DecodeError(
-                f"unknown wire type {name!r} (registered: {', '.join(structs) or 'none'})"
-            )
-        _expect(
-            isinstance(values, list) and len(values) == len(struct.field_names),
-            f"{name}: expected {len(struct.field_names)} field values",
-        )
-        try:
-            if struct.positional:
-                return struct.cls(*values)
-            return struct.cls(**dict(zip(struct.field_names, values, strict=True)))
-        except Exception as e:
-            raise DecodeError(f"cannot rebuild {name}: {type(e).__name__}: {e}") from e
+    def list_hook(self, items: list[Any]) -> Any:
+        if not items or type(items[0]) is not _Tag:
+            return items
+        self.num_tags -= 1
+        tag = items[0]
+        code = tag.code
+        if code == EXT_TUPLE:
+            return tuple(items[1:])
+        if code == EXT_STRUCT:
+            return tag.struct.build(items[1:])
+        if code == EXT_NDARRAY:
+            return _decode_ndarray(items[1:], self.buffers)
+        if code == EXT_TENSOR:
+            return _decode_tensor(items[1:], self.buffers)
+        _expect(len(items) == 3, "bad numpy scalar payload")
+        dtype = _numpy_dtype(items[1])
+        raw = items[2]
+        _expect(isinstance(raw, bytes) and len(raw) == dtype.itemsize, "bad numpy scalar bytes")
+        return np.frombuffer(raw, dtype=dtype)[0]
 
 
 # -- array helpers ---------------------------------------------------------------------------

@@ -21,8 +21,6 @@ log = logging.getLogger("rpc")
 # flow-control credits keep the real depth far below it.
 DEFAULT_HWM = 10_000
 RECONNECT_IVL_MS = 100
-# Kernel socket buffers: larger ones cut the number of syscalls for multi-MB tensors.
-SOCKET_BUFFER_BYTES = 4 << 20
 
 # Plain ints: pyzmq's IntFlag constants cost an enum construction per operation.
 EVENTS = int(zmq.EVENTS)
@@ -36,8 +34,6 @@ def make_socket(ctx: zmq.Context, kind: int, *, hwm: int = DEFAULT_HWM) -> zmq.S
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
-    sock.setsockopt(zmq.SNDBUF, SOCKET_BUFFER_BYTES)
-    sock.setsockopt(zmq.RCVBUF, SOCKET_BUFFER_BYTES)
     if kind == zmq.ROUTER:
         # EHOSTUNREACH for a gone peer and EAGAIN at the high-water mark, never a silent drop.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)

@@ -260,9 +260,19 @@ def test_registration_names_and_errors() -> None:
     frames = codec.encode(Point(1, 2))
     with pytest.raises(DecodeError, match="unknown wire type 'geo.Point'"):
         Codec([Opts]).decode(frames)
-    bad = msgpack.packb(msgpack.ExtType(EXT_STRUCT, msgpack.packb(["SamplingParams", [0] + [None] * 6])))
+    bad = msgpack.packb([msgpack.ExtType(EXT_STRUCT, b"SamplingParams"), 0] + [None] * 6)
     with pytest.raises(DecodeError, match="cannot rebuild SamplingParams"):
         Codec(WIRE_TYPES).decode([bad])
+    with pytest.raises(DecodeError, match="expected 7 field values"):
+        Codec(WIRE_TYPES).decode([msgpack.packb([msgpack.ExtType(EXT_STRUCT, b"SamplingParams")])])
+
+
+def test_markers_outside_the_head_of_an_array_are_rejected(codec: Codec) -> None:
+    tuple_marker = msgpack.ExtType(EXT_TUPLE, b"")
+    for doc in ({"k": tuple_marker}, [1, tuple_marker], tuple_marker, {tuple_marker: 1}):
+        with pytest.raises(DecodeError):
+            codec.decode([msgpack.packb(doc)])
+    assert codec.decode([msgpack.packb([tuple_marker, 1])]) == (1,)
 
 
 def _complex32() -> torch.Tensor:
@@ -359,11 +369,18 @@ _leaf = st.one_of(
 )
 
 
+_markers = st.builds(
+    msgpack.ExtType,
+    st.sampled_from([EXT_NDARRAY, EXT_TENSOR, EXT_TUPLE, EXT_STRUCT, EXT_NPSCALAR, 0, 99]),
+    st.sampled_from([b"", b"SamplingParams", b"ImageInput", b"RequestOutput", b"Nope", b"\xff"]),
+)
+
+
 def _ext(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
-    return st.builds(
-        lambda code, inner: msgpack.ExtType(code, msgpack.packb(inner)),
-        st.sampled_from([EXT_NDARRAY, EXT_TENSOR, EXT_TUPLE, EXT_STRUCT, EXT_NPSCALAR, 0, 99]),
-        children,
+    """Marker-headed arrays (what the encoder emits, with random contents) or bare markers."""
+    return st.one_of(
+        st.builds(lambda m, rest: [m, *rest], _markers, st.lists(children, max_size=6)),
+        _markers,
     )
 
 
@@ -392,6 +409,23 @@ def test_fuzz_random_bytes(frames: list[bytes]) -> None:
 def test_fuzz_structured_documents(doc: Any, buffers: list[bytes]) -> None:
     codec = Codec(WIRE_TYPES)
     _expect_decode_error_or_value(codec, [msgpack.packb(doc), *buffers])
+
+
+_array_docs = st.builds(
+    lambda code, dtype, shape, data, perm: [msgpack.ExtType(code, b""), dtype, shape, data, perm],
+    st.sampled_from([EXT_NDARRAY, EXT_TENSOR]),
+    st.sampled_from(["uint8", "float32", "bfloat16", "complex128", "bool", "float8_e5m2", "x", 3]),
+    st.one_of(st.lists(st.integers(-2, 70), max_size=4), _int64, st.none()),
+    st.one_of(st.integers(-2, 3), st.binary(max_size=80), st.none(), st.text(max_size=3)),
+    st.one_of(st.none(), st.lists(st.integers(-1, 4), max_size=4), st.text(max_size=2)),
+)
+
+
+@_fuzz
+@given(st.lists(_array_docs, min_size=1, max_size=3), st.lists(st.binary(max_size=300), max_size=3))
+def test_fuzz_array_payloads(docs: list[Any], buffers: list[bytes]) -> None:
+    codec = Codec(WIRE_TYPES)
+    _expect_decode_error_or_value(codec, [msgpack.packb(docs), *buffers])
 
 
 @_fuzz
