@@ -146,7 +146,6 @@ def _help(name: str) -> str:
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Send image chat requests at a set concurrency and check that the RSS of "
                     "every server process stays flat. Arguments after '--' go to "
                     "'flatserve serve' when the server is started here.",
@@ -154,7 +153,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
     def add(flag: str, name: str, **kwargs) -> None:
         kwargs.setdefault("default", _default(name))
-        parser.add_argument(flag, dest=name, help=_help(name), **kwargs)
+        shown = kwargs["default"] not in (None, ()) and "default" not in _help(name)
+        help = _help(name) + (" (default: %(default)s)" if shown else "")
+        parser.add_argument(flag, dest=name, help=help, **kwargs)
 
     add("--requests", "requests", type=int)
     add("--duration-min", "duration_min", type=float)

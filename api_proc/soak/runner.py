@@ -18,7 +18,7 @@ from api_proc.soak.load import LoadGenerator, LoadStats
 from api_proc.soak.processes import listening_pid, make_targets, tree_pids
 from api_proc.soak.report import write_csv, write_json, write_plot
 from api_proc.soak.sampler import MB, RssSampler
-from api_proc.soak.server import ManagedServer, ServerStartError
+from api_proc.soak.server import ManagedServer, ServerStartError, log_tail
 from api_proc.soak.summary import Summary, format_table, summarize
 
 
@@ -195,6 +195,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         return 130
     table_stream = sys.stderr if config.json_path == "-" else sys.stdout
     print(format_table(summary), file=table_stream)
+    if "server_log" in summary.files and (summary.stop_reason or any(
+            p.exited for p in summary.processes)):
+        print(f"last lines of {summary.files['server_log']}:\n"
+              + log_tail(Path(summary.files["server_log"])), file=table_stream)
     print("wrote " + ", ".join(summary.files.values()), file=table_stream)
     if config.json_path == "-":
         write_json("-", summary)
