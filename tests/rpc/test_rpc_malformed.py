@@ -26,8 +26,8 @@ def frames_of(*envelope_docs: bytes, buffers: tuple[int, ...] | None = None, ext
     return [frames[0]] + (extra if extra is not None else frames[1:])
 
 
-def ndarray_ext(dtype: str, shape: list[int], data: Any) -> msgpack.ExtType:
-    return msgpack.ExtType(EXT_NDARRAY, msgpack.packb([dtype, shape, data, None]))
+def ndarray_ext(dtype: str, shape: list[int], data: Any) -> list[Any]:
+    return [msgpack.ExtType(EXT_NDARRAY, b""), dtype, shape, data, None]
 
 
 def call_doc(call_id: int, *args: Any, kind: int = p.CALL, window: int | None = None) -> bytes:
