@@ -48,7 +48,7 @@ class EngineProcess:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
             num_kv_blocks=config.num_kv_blocks or None,
-            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+            kv_cache_memory_bytes=config.kv_cache_memory_bytes or None,
             block_size=config.block_size,
             max_waiting=config.max_waiting,
             device=config.device,
