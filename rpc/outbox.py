@@ -10,6 +10,7 @@ nothing is dropped. Loop thread only.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 
 import zmq
@@ -18,10 +19,15 @@ from rpc.protocol import Encoded, batch_frames
 from rpc.sockets import SocketReader, send_frames
 
 MAX_ENVELOPES_PER_SEND = 512
+# A peer whose pipe stays full while this many envelopes wait for it is not reading: it is
+# dropped (its calls cancelled) rather than allowed to grow this process's memory.
+MAX_QUEUED_PER_PEER = 100_000
 RETRY_MIN_S = 0.0005
 RETRY_MAX_S = 0.02
 
 Peer = bytes | None  # routing id on a ROUTER, None on a DEALER
+
+log = logging.getLogger("rpc")
 
 
 class Outbox:
@@ -69,6 +75,9 @@ class Outbox:
         queued.append(item)
         self._num_queued += 1
         self._schedule_tick_end()
+        if self._routed and len(queued) > MAX_QUEUED_PER_PEER:
+            log.warning("rpc: peer %s stopped reading; dropping it", peer.hex())  # type: ignore[union-attr]
+            self._drop_peer(peer)  # type: ignore[arg-type]
 
     def send_now_or_drop(self, peer: Peer, item: Encoded) -> None:
         """For heartbeats: send if nothing is queued and the pipe has room, else drop."""
@@ -113,10 +122,12 @@ class Outbox:
                 if not self._send(peer, batch):
                     blocked = True
                     break
+                if self._queued.get(peer) is not queued:
+                    break  # the peer is gone: _send discarded its queue
                 del queued[: len(batch)]
                 self._num_queued -= len(batch)
-            if not queued:
-                self._queued.pop(peer, None)
+            if not queued and self._queued.get(peer) is queued:
+                del self._queued[peer]
         self._reader.kick()
         self._wake_room_waiters()
         if blocked:
@@ -146,13 +157,16 @@ class Outbox:
             return False
         except zmq.ZMQError as e:
             if e.errno == zmq.EHOSTUNREACH and self._routed:
-                self.discard(peer)
-                if self._on_unreachable is not None:
-                    assert peer is not None
-                    self._on_unreachable(peer)
+                assert peer is not None
+                self._drop_peer(peer)
                 return True
             raise
         return True
+
+    def _drop_peer(self, peer: bytes) -> None:
+        self.discard(peer)
+        if self._on_unreachable is not None:
+            self._on_unreachable(peer)
 
     def _wake_room_waiters(self) -> None:
         waiters, self._room_waiters = self._room_waiters, []

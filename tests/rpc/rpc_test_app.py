@@ -161,5 +161,19 @@ def stream_then_hang(address: str, ready: Any) -> None:
     asyncio.run(main())
 
 
+def stream_and_consume(address: str, ready: Any) -> None:
+    """Spawned child: a client that keeps consuming a never-ending stream until killed."""
+
+    async def main() -> None:
+        client = RpcClient(address, Codec(WIRE_TYPES))
+        first = True
+        async for _ in client.stream("count", "consumer", 10**12, 0.002):
+            if first:
+                ready.set()
+                first = False
+
+    asyncio.run(main())
+
+
 def payload(nbytes: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 255, size=nbytes, dtype=np.uint8)

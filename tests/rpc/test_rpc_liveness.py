@@ -10,7 +10,13 @@ import signal
 import time
 from typing import Any
 
-from rpc_test_app import Observed, make_server, serve_in_process, stream_then_hang
+from rpc_test_app import (
+    Observed,
+    make_server,
+    serve_in_process,
+    stream_and_consume,
+    stream_then_hang,
+)
 
 from rpc import Codec, IpcDir, RpcClient, ServerUnavailable
 
@@ -104,6 +110,22 @@ async def test_killed_client_streams_are_closed_on_the_server(
         assert not obs.closed_event("orphan").is_set()
         os.kill(proc.pid, signal.SIGKILL)
         await asyncio.wait_for(obs.closed_event("orphan").wait(), 3)
+    finally:
+        await server.close()
+
+
+async def test_killed_consumer_is_noticed_at_the_next_send(ipc_dir: IpcDir, codec: Codec, spawn: Any) -> None:
+    """ROUTER_MANDATORY: a send to a peer that is gone raises EHOSTUNREACH, which cancels
+    that peer's streams at once (long before the silent-peer timeout)."""
+    obs = Observed()
+    server = make_server(ipc_dir.address("unreachable"), codec, obs, peer_timeout=30.0)
+    await server.start()
+    try:
+        proc = await asyncio.to_thread(spawn, stream_and_consume, server.address)
+        os.kill(proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        await asyncio.wait_for(obs.closed_event("consumer").wait(), 3)
+        assert time.monotonic() - t0 < 1.0
     finally:
         await server.close()
 
