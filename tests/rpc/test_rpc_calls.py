@@ -103,7 +103,7 @@ async def test_deadline_fails_the_call_and_cancels_the_handler(client: RpcClient
     t0 = time.monotonic()
     with pytest.raises(DeadlineExceeded):
         await client.call("sleep", "slow", 30.0, timeout=0.2)
-    assert 0.2 <= time.monotonic() - t0 < 1.0
+    assert 0.2 <= time.monotonic() - t0 < 1.5
     await asyncio.wait_for(obs.cancelled_event("slow").wait(), 2)
     assert await client.call("sleep", "fast", 0.01, timeout=2) == 0.01
 
@@ -158,7 +158,7 @@ async def test_closed_client_and_closing_server(server: RpcServer, codec: Codec)
     await server.close()  # tells its callers, instead of letting them wait for heartbeats
     with pytest.raises(ServerUnavailable):
         await pending
-    assert time.monotonic() - t0 < 0.5
+    assert time.monotonic() - t0 < 1.0
     await client.close()
     with pytest.raises(ClientClosed):
         await client.call("echo", 1)

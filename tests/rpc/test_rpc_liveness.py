@@ -125,7 +125,7 @@ async def test_killed_consumer_is_noticed_at_the_next_send(ipc_dir: IpcDir, code
         os.kill(proc.pid, signal.SIGKILL)
         t0 = time.monotonic()
         await asyncio.wait_for(obs.closed_event("consumer").wait(), 3)
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 2.0  # the silent-peer timeout is 30 s
     finally:
         await server.close()
 
