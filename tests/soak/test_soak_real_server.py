@@ -1,0 +1,37 @@
+"""The soak script against the real server: it passes on flatserve and fails when one
+wrapper layer keeps its payload (the leak the seeds describe)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from api_proc.soak import SoakConfig, run_soak
+
+# A short run (about 20 s each on an idle machine): the slope limit is looser than the default meant for
+# thousands of requests, since the engine's per-step working set (+-10 MB with the batch
+# mix) over ~180 requests already reads as up to 40 MB per 1,000. The leak below keeps a
+# 336x336x3 image per request: about 340 MB per 1,000.
+SHORT_RUN = dict(requests=240, concurrency=8, image_size=336, max_tokens=8, disconnect_share=0.1,
+                 text_only_share=0.1, warmup_share=0.25, interval_s=0.2, max_slope=60.0,
+                 progress=False,
+                 server_args=("--mm-inflight-budget", str(64 << 20), "--max-num-seqs", "16"))
+
+
+@pytest.mark.slow
+def test_soak_passes_on_flatserve(tmp_path):
+    summary = run_soak(SoakConfig(out=str(tmp_path), **SHORT_RUN))
+    assert summary.passed, summary.reasons
+    assert summary.errors == 0
+    roles = {p.role for p in summary.processes}
+    assert {"api", "engine 0"} <= roles
+
+
+@pytest.mark.slow
+def test_soak_fails_when_a_wrapper_keeps_the_payload(tmp_path):
+    leaky = (sys.executable, "-m", "tests.soak.leaky_serve", "serve")
+    summary = run_soak(SoakConfig(out=str(tmp_path), server_command=leaky, **SHORT_RUN))
+    assert not summary.passed
+    api = summary.process("api")
+    assert api.slope_mb_per_1k > SHORT_RUN["max_slope"]
