@@ -1,11 +1,12 @@
-"""The `flatserve` command: `serve` (engines + API server), `soak`, `make-model`."""
+"""The `flatserve` command: `serve` (engines + API server), `engine` (one engine alone),
+`soak` (RSS soak test), `make-model` (the tiny default checkpoint)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from api_proc.config import ApiConfig
 from shared.engine_config import EngineConfig
@@ -29,11 +30,31 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--engines", type=int, default=1, help="engine processes to spawn")
     group.add_argument("--engine-start-timeout", type=float, default=600.0,
                        help="seconds each engine may take to load and report ready")
-    defaults = {f.name: f.default for f in fields(EngineConfig)}
-    for name in ENGINE_FLAGS:
-        default = defaults[name]
-        kind = int if isinstance(default, int) else str
-        group.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=default)
+    _add_engine_config_args(group, ENGINE_FLAGS)
+
+
+def _add_engine_config_args(parser, names) -> None:
+    """One flag per EngineConfig field; defaults and help come from the dataclass."""
+    by_name = {f.name: f for f in fields(EngineConfig)}
+    for name in names:
+        f = by_name[name]
+        kind = int if isinstance(f.default, int) else str
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=f.default,
+                            help=f.metadata.get("help"))
+
+
+def run_engine(args: argparse.Namespace) -> int:
+    """A standalone engine that an API server on another host reaches over tcp://."""
+    from engine_proc.main import main as engine_main
+
+    names = [f.name for f in fields(EngineConfig)]
+    config = EngineConfig(**{n: getattr(args, n) for n in names if n != "log_level"},
+                          log_level=args.log_level)
+    if not config.model:
+        from shared.tiny_checkpoint import ensure_tiny_checkpoint
+
+        config = replace(config, model=str(ensure_tiny_checkpoint()))
+    return engine_main(["--config-json", config.to_json()])
 
 
 def build_serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -57,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     build_serve_parser(sub.add_parser("serve", help="spawn engines and serve the OpenAI-compatible API"))
     sub.add_parser("soak", help="RSS soak test (options: flatserve soak --help)", add_help=False)
+    engine = sub.add_parser("engine", help="run one engine process serving RPC on --address")
+    _add_engine_config_args(engine, [f.name for f in fields(EngineConfig) if f.name != "log_level"])
+    engine.add_argument("--log-level", default="info")
     make = sub.add_parser("make-model", help="write the tiny default checkpoint and print its folder")
     make.add_argument("--out", help="write a fresh copy into this folder instead of the cache")
     argv = sys.argv[1:] if argv is None else argv
@@ -67,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "engine":
+        return run_engine(args)
     from shared.tiny_checkpoint import ensure_tiny_checkpoint, write_tiny_checkpoint
 
     print(write_tiny_checkpoint(args.out) if args.out else ensure_tiny_checkpoint())

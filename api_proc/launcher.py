@@ -42,7 +42,8 @@ def engine_env() -> dict[str, str]:
 
 
 def spawn_engine(config: EngineConfig) -> EngineHandle:
-    command = [sys.executable, "-m", "engine_proc.main", "--config-json", config.to_json()]
+    command = [sys.executable, "-m", "engine_proc.main", "--config-json", config.to_json(),
+               "--die-with-parent"]
     process = subprocess.Popen(command, env=engine_env(), start_new_session=False)
     return EngineHandle(config, process)
 

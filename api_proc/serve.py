@@ -12,6 +12,7 @@ from api_proc.launcher import EngineStartError, start_engines, stop_engines
 from rpc import IpcDir
 from shared.engine_config import EngineConfig
 from shared.memory import MALLOC_ENV, apply_malloc_settings
+from shared.model_config import load_model_config
 from shared.process import set_process_title
 
 logger = logging.getLogger(__name__)
@@ -43,16 +44,22 @@ def run_server(args: argparse.Namespace) -> int:
     set_process_title("flatserve: api")
     apply_malloc_settings()
     model, served_name = _resolve_model(args)
-    max_model_len = args.max_model_len or DEFAULT_MAX_MODEL_LEN
-    if args.engines < 1:
+    # Unset, the context is the model's own capped at DEFAULT_MAX_MODEL_LEN: requests without
+    # max_tokens get the rest of the context, and image requests reserve KV for all of it.
+    own = load_model_config(model).text.max_position_embeddings
+    max_model_len = args.max_model_len or min(own, DEFAULT_MAX_MODEL_LEN)
+    # --engine-addresses: engines started elsewhere (`flatserve engine`), none spawned here.
+    num_spawned = 0 if args.engine_addresses else args.engines
+    if not args.engine_addresses and args.engines < 1:
         raise SystemExit("--engines must be at least 1")
     ipc_dir = IpcDir(prefix="flatserve-")
     engine_kwargs = {name: getattr(args, name) for name in ENGINE_FLAGS}
     configs = [
         EngineConfig(model=model, address=ipc_dir.address(f"engine{rank}"), rank=rank,
                      max_model_len=max_model_len, log_level=args.log_level, **engine_kwargs)
-        for rank in range(args.engines)
+        for rank in range(num_spawned)
     ]
+    addresses = tuple(args.engine_addresses) or tuple(c.address for c in configs)
     handles = []
     # uvicorn re-raises the SIGINT/SIGTERM it caught once it has shut down; with these
     # handlers that lands in the `except` below, so engines and socket files are cleaned up.
@@ -66,7 +73,7 @@ def run_server(args: argparse.Namespace) -> int:
             return 1
         config = ApiConfig.from_cli_args(
             args, model=model, served_model_name=served_name, max_model_len=max_model_len,
-            engine_addresses=tuple(c.address for c in configs),
+            engine_addresses=addresses,
         )
         app = build_app(config, engine_processes=[h.process for h in handles])
         logger.info("serving %s on http://%s:%d (glibc: %s)", served_name, config.host, config.port,

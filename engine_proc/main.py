@@ -8,12 +8,15 @@ import signal
 import sys
 
 from shared.engine_config import EngineConfig
+from shared.memory import apply_malloc_settings
 from shared.process import die_with_parent, set_process_title
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="flatserve engine worker process")
     parser.add_argument("--config-json", required=True, help="EngineConfig as JSON")
+    parser.add_argument("--die-with-parent", action="store_true",
+                        help="exit when the launching process exits (set by flatserve serve)")
     args = parser.parse_args(argv)
     config = EngineConfig.from_json(args.config_json)
     logging.basicConfig(
@@ -21,7 +24,9 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s engine{config.rank} %(levelname)s %(name)s: %(message)s",
     )
     set_process_title(f"flatserve: engine {config.rank}")
-    die_with_parent()
+    apply_malloc_settings()
+    if args.die_with_parent:
+        die_with_parent()
 
     from engine_proc.engine_process import EngineProcess
 

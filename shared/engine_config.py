@@ -3,31 +3,36 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
+
+
+def _opt(default, help: str):
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str
-    address: str
-    rank: int = 0
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 8192
-    max_model_len: int = 8192
-    block_size: int = 16
-    num_kv_blocks: int = 0  # 0: derived from kv_cache_memory_bytes
-    kv_cache_memory_bytes: int = 0  # 0: 80% of free device memory on CUDA, 256 MiB on CPU
-    max_waiting: int = 4096
-    device: str | None = None  # None: cuda if available, else cpu
-    dtype: str | None = None  # None: the checkpoint's dtype
-    log_level: str = "info"
+    model: str = _opt("", "local checkpoint folder")
+    address: str = _opt("", "RPC address to bind (ipc://PATH or tcp://HOST:PORT)")
+    rank: int = _opt(0, "index of this engine among the server's engines")
+    max_num_seqs: int = _opt(64, "most sequences in one batch")
+    max_num_batched_tokens: int = _opt(8192, "token budget of one step (chunked prefill)")
+    max_model_len: int = _opt(0, "prompt + completion token limit (0: the model's own)")
+    block_size: int = _opt(16, "tokens per KV cache block")
+    num_kv_blocks: int = _opt(0, "KV cache blocks (0: from --kv-cache-memory-bytes)")
+    kv_cache_memory_bytes: int = _opt(0, "KV cache bytes (0: 80%% of free GPU memory, 256 MiB on CPU)")
+    max_waiting: int = _opt(4096, "most requests queued in the engine before it refuses more")
+    device: str | None = _opt(None, "torch device (default: cuda if available, else cpu)")
+    dtype: str | None = _opt(None, "weights and activations dtype (default: the checkpoint's)")
+    log_level: str = _opt("info", "log level")
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "max_waiting"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.num_kv_blocks < 0 or self.kv_cache_memory_bytes < 0:
-            raise ValueError("KV cache size must be positive")
+        for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes", "rank"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
