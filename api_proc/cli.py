@@ -9,6 +9,7 @@ import sys
 from dataclasses import fields, replace
 
 from api_proc.config import ApiConfig
+from shared.config_args import add_dataclass_args
 from shared.engine_config import EngineConfig
 
 # EngineConfig fields that `serve` exposes as flags; the rest are set by the launcher.
@@ -34,13 +35,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_engine_config_args(parser, names) -> None:
-    """One flag per EngineConfig field; defaults and help come from the dataclass."""
-    by_name = {f.name: f for f in fields(EngineConfig)}
-    for name in names:
-        f = by_name[name]
-        kind = int if isinstance(f.default, int) else str
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=f.default,
-                            help=f.metadata.get("help"))
+    add_dataclass_args(parser, EngineConfig, names)
 
 
 def run_engine(args: argparse.Namespace) -> int:

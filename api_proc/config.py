@@ -3,48 +3,44 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
-import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+
+from shared.config_args import add_dataclass_args, dataclass_from_args, opt
 
 MiB = 1 << 20
 GiB = 1 << 30
 
 
-def _opt(default, help: str):
-    return field(default=default, metadata={"help": help})
-
-
 @dataclass(frozen=True)
 class ApiConfig:
-    model: str = _opt("", "local checkpoint folder (tokenizer, chat template, preprocessor)")
-    host: str = _opt("127.0.0.1", "address to listen on")
-    port: int = _opt(8000, "port to listen on")
-    served_model_name: str = _opt("", "model id clients use (default: the folder's name)")
-    api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on /v1 routes")
-    max_model_len: int = _opt(0, "prompt + completion token limit (0: the model's own)")
-    limit_mm_per_prompt: int = _opt(8, "most images in one request")
-    max_image_pixels: int = _opt(40_000_000, "most pixels an image header may declare")
-    max_image_bytes: int = _opt(20 * MiB, "most encoded bytes per image")
-    max_body_bytes: int = _opt(200 * MiB, "most bytes in one HTTP request body")
-    mm_inflight_budget: int = _opt(2 * GiB, "most multimodal bytes being prepared at once")
-    admission_timeout_s: float = _opt(30.0, "how long a request waits for budget before 429")
-    allowed_media_domains: tuple[str, ...] | None = _opt(
+    model: str = opt("", "local checkpoint folder (tokenizer, chat template, preprocessor)")
+    host: str = opt("127.0.0.1", "address to listen on")
+    port: int = opt(8000, "port to listen on")
+    served_model_name: str = opt("", "model id clients use (default: the folder's name)")
+    api_key: str | None = opt(None, "require 'Authorization: Bearer KEY' on /v1 routes")
+    max_model_len: int = opt(0, "prompt + completion token limit (0: the model's own)")
+    limit_mm_per_prompt: int = opt(8, "most images in one request")
+    max_image_pixels: int = opt(40_000_000, "most pixels an image header may declare")
+    max_image_bytes: int = opt(20 * MiB, "most encoded bytes per image")
+    max_body_bytes: int = opt(200 * MiB, "most bytes in one HTTP request body")
+    mm_inflight_budget: int = opt(2 * GiB, "most multimodal bytes being prepared at once")
+    admission_timeout_s: float = opt(30.0, "how long a request waits for budget before 429")
+    allowed_media_domains: tuple[str, ...] | None = opt(
         None, "hosts image URLs may name (default: any public host)"
     )
-    allowed_local_media_path: str | None = _opt(
+    allowed_local_media_path: str | None = opt(
         None, "folder file:// image URLs may read from (default: none)"
     )
-    allow_private_media_addresses: bool = _opt(
+    allow_private_media_addresses: bool = opt(
         False, "let image URLs reach loopback/private/link-local addresses"
     )
-    media_fetch_timeout_s: float = _opt(10.0, "deadline for downloading one image")
-    media_workers: int = _opt(0, "threads decoding and resizing images (0: min(4, cpus))")
-    max_n: int = _opt(16, "most choices (n) per request")
-    engine_addresses: tuple[str, ...] = _opt((), "engine RPC addresses (ipc:// or tcp://)")
-    engine_call_timeout_s: float = _opt(5.0, "deadline for unary engine calls (abort, stats, health)")
+    media_fetch_timeout_s: float = opt(10.0, "deadline for downloading one image")
+    media_workers: int = opt(0, "threads decoding and resizing images (0: min(4, cpus))")
+    max_n: int = opt(16, "most choices (n) per request")
+    engine_addresses: tuple[str, ...] = opt((), "engine RPC addresses (ipc:// or tcp://)")
+    engine_call_timeout_s: float = opt(5.0, "deadline for unary engine calls (abort, stats, health)")
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -89,27 +85,9 @@ class ApiConfig:
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         """Add one --flag per field; defaults and help come from the fields themselves."""
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            hint = hints[f.name]
-            kwargs: dict = {"default": f.default, "help": f.metadata.get("help", ""), "dest": f.name}
-            if hint is bool:
-                kwargs["action"] = argparse.BooleanOptionalAction
-            elif tuple in (typing.get_origin(h) for h in (hint, *typing.get_args(hint))):
-                kwargs["nargs"] = "*"
-            else:
-                base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
-                kwargs["type"] = base
-            parser.add_argument(flag, **kwargs)
+        add_dataclass_args(parser, cls)
         return parser
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, **overrides) -> ApiConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in vars(args).items() if k in names}
-        for k, v in values.items():
-            if isinstance(v, list):
-                values[k] = tuple(v)
-        values.update(overrides)
-        return cls(**values)
+        return dataclass_from_args(cls, args, **overrides)

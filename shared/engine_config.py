@@ -3,28 +3,26 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 
-
-def _opt(default, help: str):
-    return field(default=default, metadata={"help": help})
+from shared.config_args import opt
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = _opt("", "local checkpoint folder")
-    address: str = _opt("", "RPC address to bind (ipc://PATH or tcp://HOST:PORT)")
-    rank: int = _opt(0, "index of this engine among the server's engines")
-    max_num_seqs: int = _opt(64, "most sequences in one batch")
-    max_num_batched_tokens: int = _opt(8192, "token budget of one step (chunked prefill)")
-    max_model_len: int = _opt(0, "prompt + completion token limit (0: the model's own)")
-    block_size: int = _opt(16, "tokens per KV cache block")
-    num_kv_blocks: int = _opt(0, "KV cache blocks (0: from --kv-cache-memory-bytes)")
-    kv_cache_memory_bytes: int = _opt(0, "KV cache bytes (0: 80%% of free GPU memory, 256 MiB on CPU)")
-    max_waiting: int = _opt(4096, "most requests queued in the engine before it refuses more")
-    device: str | None = _opt(None, "torch device (default: cuda if available, else cpu)")
-    dtype: str | None = _opt(None, "weights and activations dtype (default: the checkpoint's)")
-    log_level: str = _opt("info", "log level")
+    model: str = opt("", "local checkpoint folder")
+    address: str = opt("", "RPC address to bind (ipc://PATH or tcp://HOST:PORT)")
+    rank: int = opt(0, "index of this engine among the server's engines")
+    max_num_seqs: int = opt(64, "most sequences in one batch")
+    max_num_batched_tokens: int = opt(8192, "token budget of one step (chunked prefill)")
+    max_model_len: int = opt(0, "prompt + completion token limit (0: the model's own)")
+    block_size: int = opt(16, "tokens per KV cache block")
+    num_kv_blocks: int = opt(0, "KV cache blocks (0: from --kv-cache-memory-bytes)")
+    kv_cache_memory_bytes: int = opt(0, "KV cache bytes (0: 80%% of free GPU memory, 256 MiB on CPU)")
+    max_waiting: int = opt(4096, "most requests queued in the engine before it refuses more")
+    device: str | None = opt(None, "torch device (default: cuda if available, else cpu)")
+    dtype: str | None = opt(None, "weights and activations dtype (default: the checkpoint's)")
+    log_level: str = opt("info", "log level")
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_waiting"):
