@@ -112,3 +112,25 @@ def test_stop_leaves_no_process_or_socket_file(tmp_path, sig):
     for pid in engines:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert not os.path.exists(os.path.dirname(socket_file)), proc.log_tail()
+
+
+def test_two_engines_share_the_load(tmp_path):
+    proc = ServerProcess("--engines", "2", log_path=tmp_path / "server.log").wait_ready()
+    try:
+        engines = httpx.get(proc.url + "/health").json()["engines"]
+        assert len(engines) == 2 and all(e["ok"] for e in engines)
+        body = {"messages": [{"role": "user", "content": "count"}], "max_tokens": 24,
+                "ignore_eos": True}
+
+        async def burst():
+            async with httpx.AsyncClient(timeout=60) as client:
+                return await asyncio.gather(*(client.post(
+                    proc.url + "/v1/chat/completions", json={"model": MODEL, **body})
+                    for _ in range(8)))
+
+        replies = asyncio.run(burst())
+        assert all(r.status_code == 200 for r in replies)
+        finished = [_engine_stats(e["address"]).num_requests_finished for e in engines]
+        assert sum(finished) == 8 and min(finished) >= 2, finished
+    finally:
+        proc.stop()
