@@ -160,7 +160,9 @@ class ModelRunner:
         del inputs_embeds
         if not sample_seqs:
             return []
-        logits = self.model.compute_logits(hidden[sample_rows])
+        if len(sample_seqs) < hidden.shape[0]:
+            hidden = hidden[sample_rows]  # only the last token of each finished chunk
+        logits = self.model.compute_logits(hidden)
         token_ids = self.sampler(logits, self.prepare_sampling(sample_seqs))
         return token_ids.tolist()  # the one host sync of a step
 

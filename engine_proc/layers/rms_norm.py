@@ -15,8 +15,8 @@ class RMSNorm(nn.Module):
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Statistics in fp32, scale applied in the input dtype: the same rounding as HF.
         h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True).add_(self.eps))
+        return h.to(x.dtype).mul_(self.weight)  # h is a temporary: scale it in place
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine_proc.image_processor import pixels_to_patches
-from engine_proc.layers.linear import MergedLinear
+from engine_proc.layers.linear import MergedLinear, store_weights_transposed
 from engine_proc.models.qwen2 import Qwen2Model
 from engine_proc.models.qwen2_5_vl_vision import Qwen2_5_VisionTransformer
 from shared.model_config import ModelConfig
@@ -122,6 +122,8 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         if missing:
             names = sorted(f"{n}[{s}]" if s is not None else n for n, s in missing)
             raise KeyError(f"checkpoint lacks {len(names)} tensors, e.g. {names[:5]}")
+        if self.device.type == "cpu":
+            store_weights_transposed(self)
 
     @torch.no_grad()
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
