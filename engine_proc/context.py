@@ -15,6 +15,9 @@ Contract between the model runner (writes it) and layers/attention.py (reads it)
 - num_decodes:     python int, the number of leading q_len == 1 sequences (decodes come
                    first in the flat batch), so attention can split them off the padded
                    prefill path without a host sync; None if unknown.
+- q_lens_host / seq_lens_host: python lists, q_len and seq_len of every sequence, so
+                   attention can run prefills one sequence at a time without a host sync;
+                   None if unknown.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ class Context:
     max_seq_len: int
     all_decode: bool = False
     num_decodes: int | None = None
+    q_lens_host: list[int] | None = None
+    seq_lens_host: list[int] | None = None
 
 
 _CONTEXT: Context | None = None

@@ -10,14 +10,17 @@ The layout work (which token belongs to which sequence, the masks) depends only 
 Context, so `build_attention_metadata` does it once per forward for all layers. Nothing
 here reads a device tensor on the host: no syncs in the hot path.
 
-Sequences are padded to the longest query and the longest key range and masked, one SDPA
-call per layer, instead of a python loop per sequence (which would need the per-sequence
-lengths on the host). Padding a mixed batch to its longest query wastes work on the
-decodes, so leading decodes (the runner puts them first) run as a separate, unpadded call:
-measured on CPU with the tiny model, one 256-token chunk + 31 decodes took 450 ms padded
-together and 67 ms split (a python loop per sequence: 100 ms). How many there are comes
-from `context.num_decodes` (a host int) when the runner sets it, else from the host copy
-of query_start_loc on CPU; on a device without the hint the batch stays padded.
+Leading decodes (the runner puts them first) run as one unpadded SDPA call: measured on
+CPU with the tiny model, one 256-token chunk + 31 decodes took 450 ms padded together and
+67 ms split (a python loop per sequence: 100 ms). How many there are comes from
+`context.num_decodes` (a host int) when the runner sets it, else from the host copy of
+query_start_loc on CPU; on a device without the hint the batch stays padded.
+
+The prefill chunks after them run one SDPA call per sequence on CPU when the Context
+carries the host lengths (`q_lens_host`, `seq_lens_host`): padding 32 prompts of 18-95
+tokens to the longest costs 2.3x the per-sequence loop there (22 vs 9.5 ms a layer).
+Elsewhere they are padded to the longest query and key range and masked, one SDPA call
+per layer.
 
 The caches must not hold NaN/inf bit patterns (allocate them with torch.zeros, not
 torch.empty): padded gathers read slots past a sequence's end, masked out of the softmax,
@@ -36,10 +39,22 @@ from engine_proc.context import Context
 
 
 @dataclass
-class _Part:
-    """A run of sequences handled by one SDPA call, over tokens [start, end) of the batch."""
+class _Span:
+    """One sequence of a "seqs" part: tokens [start, end) of the batch, seq_len keys."""
 
-    kind: str  # "decode" | "padded" | "causal"
+    start: int
+    end: int
+    seq_len: int
+    block_table: torch.Tensor | None = None  # its blocks when it has cached keys
+    mask: torch.Tensor | None = None  # bool [q_len, seq_len] when it has cached keys
+
+
+@dataclass
+class _Part:
+    """A run of sequences over tokens [start, end) of the batch, handled by one SDPA call
+    (one per sequence for "seqs")."""
+
+    kind: str  # "decode" | "padded" | "causal" | "seqs"
     start: int
     end: int
     block_tables: torch.Tensor | None = None  # [B, num_blocks] clamped to valid ids
@@ -47,6 +62,7 @@ class _Part:
     token_slot: torch.Tensor | None = None  # [T] row of each token in [B * max_q_len] ("padded")
     num_seqs: int = 0
     max_q_len: int = 0
+    spans: list[_Span] | None = None  # "seqs"
 
 
 @dataclass
@@ -119,6 +135,34 @@ def _decode_part(ctx: Context, num_seqs: int, block_size: int, dtype: torch.dtyp
     )
 
 
+def _sequence_part(ctx: Context, first_seq: int, start: int, block_size: int) -> _Part:
+    """Sequences first_seq.. one at a time: new keys straight from the batch when nothing
+    is cached yet, else the sequence's blocks with a bottom-right causal mask."""
+    device = ctx.query_start_loc.device
+    spans = []
+    token = start
+    for seq in range(first_seq, len(ctx.q_lens_host)):
+        q_len, seq_len = ctx.q_lens_host[seq], ctx.seq_lens_host[seq]
+        span = _Span(token, token + q_len, seq_len)
+        if seq_len != q_len and block_size:
+            num_blocks = -(-seq_len // block_size)
+            span.block_table = ctx.block_tables[seq, :num_blocks].long()
+            keys = torch.arange(seq_len, device=device)
+            last = torch.arange(seq_len - q_len, seq_len, device=device)
+            span.mask = keys <= last[:, None]
+        spans.append(span)
+        token += q_len
+    return _Part("seqs", start, token, spans=spans)
+
+
+def _prefill_part(
+    ctx: Context, first_seq: int, start: int, end: int, block_size: int, dtype: torch.dtype
+) -> _Part:
+    if ctx.q_lens_host is not None and ctx.query_start_loc.device.type == "cpu":
+        return _sequence_part(ctx, first_seq, start, block_size)
+    return _padded_part(ctx, first_seq, start, end, block_size, dtype)
+
+
 def _num_leading_decodes(ctx: Context) -> int:
     """How many leading sequences have q_len == 1: from the Context when the runner says
     (`num_decodes`), else read off host tensors (free on CPU; on a device that would be a
@@ -144,7 +188,7 @@ def build_attention_metadata(
     if not block_size:
         if num_seqs == 1:
             return AttentionMetadata(None, [_Part("causal", 0, num_tokens)])
-        return AttentionMetadata(None, [_padded_part(ctx, 0, 0, num_tokens, 0, dtype)])
+        return AttentionMetadata(None, [_prefill_part(ctx, 0, 0, num_tokens, 0, dtype)])
     slots = ctx.slot_mapping
     if ctx.all_decode:
         return AttentionMetadata(slots, [_decode_part(ctx, num_seqs, block_size, dtype)])
@@ -157,7 +201,7 @@ def build_attention_metadata(
     parts = []
     if num_decodes:
         parts.append(_decode_part(ctx, num_decodes, block_size, dtype))
-    parts.append(_padded_part(ctx, num_decodes, num_decodes, num_tokens, block_size, dtype))
+    parts.append(_prefill_part(ctx, num_decodes, num_decodes, num_tokens, block_size, dtype))
     return AttentionMetadata(slots, parts)
 
 
@@ -166,6 +210,12 @@ def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     b, n = block_tables.shape
     kv = cache.index_select(0, block_tables.reshape(-1))  # 2-3x faster than cache[tables] on CPU
     return kv.view(b, n * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
+
+
+def _gather_seq(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """cache [blocks, block_size, H, D], one sequence's blocks -> its keys [seq_len, H, D]."""
+    kv = cache.index_select(0, block_table)
+    return kv.view(-1, cache.shape[2], cache.shape[3])[:seq_len]
 
 
 class Attention(nn.Module):
@@ -198,6 +248,8 @@ class Attention(nn.Module):
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
     def _part(self, part: _Part, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if part.kind == "seqs":
+            return self._sequences(part, q, k, v)
         q = q[part.start : part.end]
         if part.kind == "causal":
             k, v = k[part.start : part.end], v[part.start : part.end]
@@ -246,3 +298,25 @@ class Attention(nn.Module):
         )
         out = out.transpose(1, 2).reshape(rows, self.num_heads, self.head_dim)
         return out.index_select(0, part.token_slot)
+
+    def _sequences(
+        self, part: _Part, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        out = q.new_empty(part.end - part.start, self.num_heads, self.head_dim)
+        for span in part.spans:
+            if span.block_table is None:  # no cached keys: this chunk's own, plain causal
+                keys, values = k[span.start : span.end], v[span.start : span.end]
+            else:
+                keys = _gather_seq(self.k_cache, span.block_table, span.seq_len)
+                values = _gather_seq(self.v_cache, span.block_table, span.seq_len)
+            o = F.scaled_dot_product_attention(
+                q[span.start : span.end].transpose(0, 1).unsqueeze(0),
+                keys.transpose(0, 1).unsqueeze(0),
+                values.transpose(0, 1).unsqueeze(0),
+                attn_mask=span.mask,
+                is_causal=span.mask is None,
+                scale=self.scale,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )
+            out[span.start - part.start : span.end - part.start] = o[0].transpose(0, 1)
+        return out

@@ -18,8 +18,17 @@ class PagedKV:
     """A minimal stand-in for the block manager + runner: zeroed per-layer KV caches, block
     tables handed out from a shuffled free list, and the Context for a flat batch."""
 
-    def __init__(self, model: torch.nn.Module, num_blocks: int = 256, block_size: int = 4):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        num_blocks: int = 256,
+        block_size: int = 4,
+        host_lens: bool = True,
+    ):
+        """host_lens: pass the per-sequence lengths on the host like the runner does (CPU
+        prefills then run one sequence at a time); False leaves them padded."""
         text = model.config.text
+        self.host_lens = host_lens
         param = next(model.parameters())
         self.device = param.device
         self.layers = [m for m in model.modules() if isinstance(m, Attention)]
@@ -79,6 +88,9 @@ class PagedKV:
         )
         if num_decodes is not None:
             ctx.num_decodes = num_decodes
+        if self.host_lens:
+            ctx.q_lens_host = q_lens
+            ctx.seq_lens_host = seq_lens
         return ctx
 
     def forward(

@@ -30,7 +30,7 @@ class _Cache:
         self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).tolist()
         self.tables, self.history = {}, {}
 
-    def step(self, spans, num_decodes=None, all_decode=None):
+    def step(self, spans, num_decodes=None, all_decode=None, host_lens=False):
         """spans: (key, q_len). Runs one forward; returns (output, reference output)."""
         qs, ks, vs, qsl, seq_lens, slots, tables = [], [], [], [0], [], [], []
         for key, q_len in spans:
@@ -59,6 +59,9 @@ class _Cache:
         )
         if num_decodes is not None:
             ctx.num_decodes = num_decodes
+        if host_lens:
+            ctx.q_lens_host = [q_len for _, q_len in spans]
+            ctx.seq_lens_host = seq_lens
         q = torch.cat(qs)
         meta = build_attention_metadata(ctx, q.shape[0], BLOCK, q.dtype)
         out = self.attn(q, torch.cat(ks), torch.cat(vs), meta)
@@ -68,12 +71,15 @@ class _Cache:
         return out, expected, meta
 
 
+@pytest.mark.parametrize("host_lens", [False, True])
 @pytest.mark.parametrize("num_decodes", [0, None, 3])
-def test_mixed_flat_batches_match_reference(num_decodes):
+def test_mixed_flat_batches_match_reference(num_decodes, host_lens):
     """num_decodes 0: everything padded together; None: leading decodes found from the
-    host copy of query_start_loc; 3: the runner says."""
+    host copy of query_start_loc; 3: the runner says. host_lens: prefills one sequence
+    at a time instead of padded."""
     torch.manual_seed(0)
     cache = _Cache(Attention(HEADS, KV_HEADS, DIM))
+    prefill = "seqs" if host_lens else "padded"
     cases = [
         ([("a", 13)], "causal"),  # a whole prompt
         ([("b", 6), ("c", 9), ("d", 2)], "padded"),  # several first chunks
@@ -83,13 +89,13 @@ def test_mixed_flat_batches_match_reference(num_decodes):
     ]
     for spans, kind in cases:
         mixed = kind is None
-        out, expected, meta = cache.step(spans, num_decodes if mixed else None)
+        out, expected, meta = cache.step(spans, num_decodes if mixed else None, host_lens=host_lens)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
         kinds = [p.kind for p in meta.parts]
         if mixed:
-            assert kinds == (["padded"] if num_decodes == 0 else ["decode", "padded"])
+            assert kinds == ([prefill] if num_decodes == 0 else ["decode", prefill])
         else:
-            assert kinds == [kind]
+            assert kinds == [prefill if kind == "padded" else kind]
 
 
 def test_one_token_spans_not_flagged_all_decode_take_the_decode_path():
@@ -101,7 +107,8 @@ def test_one_token_spans_not_flagged_all_decode_take_the_decode_path():
     assert [p.kind for p in meta.parts] == ["decode"]
 
 
-def test_without_cache_each_sequence_sees_only_itself():
+@pytest.mark.parametrize("host_lens", [False, True])
+def test_without_cache_each_sequence_sees_only_itself(host_lens):
     torch.manual_seed(0)
     attn = Attention(HEADS, KV_HEADS, DIM)
     lens = [5, 1, 8]
@@ -116,7 +123,11 @@ def test_without_cache_each_sequence_sees_only_itself():
         max_q_len=8,
         max_seq_len=8,
     )
-    out = attn(q, k, v, build_attention_metadata(ctx, q.shape[0], 0, q.dtype))
+    if host_lens:
+        ctx.q_lens_host = ctx.seq_lens_host = lens
+    meta = build_attention_metadata(ctx, q.shape[0], 0, q.dtype)
+    assert [p.kind for p in meta.parts] == ["seqs" if host_lens else "padded"]
+    out = attn(q, k, v, meta)
     expected = torch.cat(
         [_reference(*(t[a:b] for t in (q, k, v))) for a, b in ((0, 5), (5, 6), (6, 14))]
     )

@@ -77,11 +77,13 @@ def test_chunked_prefill_splitting_an_image_matches_hf(vl, paged_kv):
     torch.testing.assert_close(logits, vl.hf_logits(ids, images, grids), atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("host_lens", [False, True])
 @pytest.mark.parametrize("num_decodes", [0, None, 2])
-def test_mixed_batch_matches_each_sequence_alone(vl, make_paged_kv, num_decodes):
+def test_mixed_batch_matches_each_sequence_alone(vl, make_paged_kv, num_decodes, host_lens):
     """Two decodes + one prefill chunk (after an earlier chunk that ends inside its image)
     in one flat forward equal each span run alone: padded all together (num_decodes 0)
-    or with the leading decodes split off (found on the host, or given)."""
+    or with the leading decodes split off (found on the host, or given); the prefill
+    padded or, with the host lengths, on its own."""
     prompts = {
         "txt": vl.prompt(list(range(30, 51))),
         "img2": vl.prompt([13], (1, 4, 6), [14, 15]),
@@ -100,7 +102,7 @@ def test_mixed_batch_matches_each_sequence_alone(vl, make_paged_kv, num_decodes)
 
     results = []
     for batched in (False, True):
-        kv = make_paged_kv()
+        kv = make_paged_kv(host_lens=host_lens)
         for key in ("txt", "img2"):
             kv.forward(vl.model, [(key, inputs[key][0], inputs[key][1])])
         kv.forward(vl.model, [("img", emb[:9], pos[:, :9])])
