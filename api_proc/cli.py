@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["soak"]:
         from api_proc.soak import main as soak_main
 
-        return soak_main(argv[1:])
+        return soak_main(argv[1:], prog="flatserve soak")
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve(args)
