@@ -9,58 +9,56 @@ import re
 import shlex
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from shared.config_args import opt
+
 DEFAULT_REQUESTS = 1000
-
-
-def _opt(default, help: str):
-    return field(default=default, metadata={"help": help})
 
 
 @dataclass(frozen=True)
 class SoakConfig:
     # stop condition: whichever comes first; neither given means DEFAULT_REQUESTS requests
-    requests: int | None = _opt(None, f"requests to send (default {DEFAULT_REQUESTS} unless "
+    requests: int | None = opt(None, f"requests to send (default {DEFAULT_REQUESTS} unless "
                                       "--duration-min is given)")
-    duration_min: float | None = _opt(None, "minutes to run (stops at --requests too, if given)")
-    concurrency: int = _opt(16, "requests in flight at once (also the connection pool size)")
-    image_size: int = _opt(448, "side of the square generated images, in pixels")
-    images_per_request: int = _opt(1, "images in each image request")
-    max_tokens: int = _opt(32, "max_tokens of each request")
-    stream: bool = _opt(True, "stream responses (SSE)")
-    disconnect_share: float = _opt(0.1, "share of requests whose client disconnects mid-response")
-    text_only_share: float = _opt(0.1, "share of requests without images")
-    warmup_share: float = _opt(0.2, "share of requests before the slope fit starts")
-    interval_s: float = _opt(1.0, "seconds between RSS samples")
-    uss_every: int = _opt(5, "read USS every Nth sample (slow; 0: never)")
-    max_slope: float = _opt(2.0, "most RSS growth allowed, MB per 1,000 requests, per process")
-    out: str | None = _opt(None, "output folder (default out/soak-<timestamp>)")
-    json_path: str | None = _opt(None, "also write the JSON summary here ('-': stdout)")
-    url: str | None = _opt(None, "attach to this running server instead of starting one")
-    pids: tuple[int, ...] = _opt((), "processes to sample when attaching (default: the one "
+    duration_min: float | None = opt(None, "minutes to run (stops at --requests too, if given)")
+    concurrency: int = opt(16, "requests in flight at once (also the connection pool size)")
+    image_size: int = opt(448, "side of the square generated images, in pixels")
+    images_per_request: int = opt(1, "images in each image request")
+    max_tokens: int = opt(32, "max_tokens of each request")
+    stream: bool = opt(True, "stream responses (SSE)")
+    disconnect_share: float = opt(0.1, "share of requests whose client disconnects mid-response")
+    text_only_share: float = opt(0.1, "share of requests without images")
+    warmup_share: float = opt(0.2, "share of requests before the slope fit starts")
+    interval_s: float = opt(1.0, "seconds between RSS samples")
+    uss_every: int = opt(5, "read USS every Nth sample (slow; 0: never)")
+    max_slope: float = opt(2.0, "most RSS growth allowed, MB per 1,000 requests, per process")
+    out: str | None = opt(None, "output folder (default out/soak-<timestamp>)")
+    json_path: str | None = opt(None, "also write the JSON summary here ('-': stdout)")
+    url: str | None = opt(None, "attach to this running server instead of starting one")
+    pids: tuple[int, ...] = opt((), "processes to sample when attaching (default: the one "
                                      "listening on --url's port and its children)")
-    api_key: str | None = _opt(None, "API key sent as 'Authorization: Bearer KEY'")
-    model: str | None = _opt(None, "model name (default: the first id from GET /v1/models)")
-    budget_mb: float | None = _opt(None, "in-flight multimodal budget to draw, MB (default: "
+    api_key: str | None = opt(None, "API key sent as 'Authorization: Bearer KEY'")
+    model: str | None = opt(None, "model name (default: the first id from GET /v1/models)")
+    budget_mb: float | None = opt(None, "in-flight multimodal budget to draw, MB (default: "
                                          "--mm-inflight-budget of a started server)")
-    allow_status: tuple[int, ...] = _opt((), "HTTP statuses counted as expected rejections, "
+    allow_status: tuple[int, ...] = opt((), "HTTP statuses counted as expected rejections, "
                                              "not errors (e.g. 429 503)")
-    extra_body: dict | None = _opt(None, "JSON object merged into every request body")
-    request_timeout_s: float = _opt(300.0, "per-request read timeout, seconds")
-    max_errors: int = _opt(100, "stop sending after this many unexpected errors")
-    seed: int = _opt(0, "seed of images and per-request choices")
-    pool_size: int = _opt(8, "base images generated up front (fewer when they are huge)")
-    progress: bool = _opt(True, "show a progress bar")
+    extra_body: dict | None = opt(None, "JSON object merged into every request body")
+    request_timeout_s: float = opt(300.0, "per-request read timeout, seconds")
+    max_errors: int = opt(100, "stop sending after this many unexpected errors")
+    seed: int = opt(0, "seed of images and per-request choices")
+    pool_size: int = opt(8, "base images generated up front (fewer when they are huge)")
+    progress: bool = opt(True, "show a progress bar")
     # starting the server itself
-    server_args: tuple[str, ...] = _opt((), "arguments after '--', passed to flatserve serve")
-    server_command: tuple[str, ...] = _opt((), "command that starts the server before "
+    server_args: tuple[str, ...] = opt((), "arguments after '--', passed to flatserve serve")
+    server_command: tuple[str, ...] = opt((), "command that starts the server before "
                                                "'--port N' (default: python -m api_proc.cli serve)")
-    server_env: dict[str, str] | None = _opt(None, "extra environment of the started server")
-    server_timeout_s: float = _opt(300.0, "seconds to wait for the started server's /health")
-    stop_timeout_s: float = _opt(15.0, "seconds between SIGINT and SIGKILL when stopping it")
-    idle_samples: int = _opt(3, "RSS samples taken before the load starts")
+    server_env: dict[str, str] | None = opt(None, "extra environment of the started server")
+    server_timeout_s: float = opt(300.0, "seconds to wait for the started server's /health")
+    stop_timeout_s: float = opt(15.0, "seconds between SIGINT and SIGKILL when stopping it")
+    idle_samples: int = opt(3, "RSS samples taken before the load starts")
 
     def __post_init__(self) -> None:
         if self.requests is None and self.duration_min is None:

@@ -14,6 +14,7 @@ from engine_proc.llm_engine import LLMEngine, RequestRejected
 from shared.messages import GenerateRequest, ImageInput
 from shared.model_config import load_model_config
 from shared.sampling_params import SamplingParams
+from tests.engine_proc.engine_factory import make_engine
 
 MAX_TOKENS = 12
 
@@ -21,18 +22,6 @@ MAX_TOKENS = 12
 @pytest.fixture(scope="module")
 def config(tiny_model_path):
     return load_model_config(tiny_model_path)
-
-
-def make_engine(path, **kw) -> LLMEngine:
-    args = dict(
-        max_num_seqs=8,
-        max_num_batched_tokens=512,
-        max_model_len=1024,
-        num_kv_blocks=256,
-        device="cpu",
-    )
-    args.update(kw)
-    return LLMEngine(str(path), **args)
 
 
 def make_image(height: int, width: int, seed: int) -> ImageInput:
