@@ -1,10 +1,17 @@
 """Admission control on multimodal bytes in flight in the API process (R4).
 
-A request reserves the bytes its images will need (sized from the image headers, before
-anything is decoded) and holds them until the engine holds the pixels. Requests that do not
-fit wait in FIFO order; a waiter at the head blocks the ones behind it, so big requests are
-not starved by a stream of small ones. Waiting ends with a 429 after the timeout; a single
-request larger than the whole budget gets a 413 at once.
+Two phases share one budget. A large request body is reserved before it is read (its bytes
+and the strings parsed from them), so a crowd of clients uploading base64 images cannot
+hold more than the budget in request bodies. Once its images' headers are read, the request
+exchanges that reservation for the bytes decoding and resizing will need, and holds those
+until the engine holds the pixels.
+
+Requests that do not fit wait in FIFO order; a waiter at the head blocks the ones behind it,
+so big requests are not starved by a stream of small ones. An exchange gives its body bytes
+back and waits ahead of every new request (`priority`): a request that has already been
+read is never stuck behind bodies that are not, and exchanges cannot deadlock each other by
+holding body bytes while waiting for pixel bytes. Waiting ends with a 429 after the timeout;
+a single request larger than the whole budget gets a 413 at once.
 """
 
 from __future__ import annotations
@@ -39,6 +46,11 @@ class Reservation:
         self.nbytes = 0
         return moved
 
+    def absorb(self, other: Reservation) -> None:
+        """Take over what `other` holds (a reservation grown in steps)."""
+        self.nbytes += other.nbytes
+        other.nbytes = 0
+
     def shrink_to(self, nbytes: int) -> None:
         """Keep only `nbytes` (e.g. the resized pixels once decoding is done)."""
         self.release(max(0, self.nbytes - nbytes))
@@ -55,11 +67,12 @@ class _Expired(Exception):
 
 
 class _Waiter:
-    __slots__ = ("nbytes", "future")
+    __slots__ = ("nbytes", "future", "priority")
 
-    def __init__(self, nbytes: int, future: asyncio.Future):
+    def __init__(self, nbytes: int, future: asyncio.Future, priority: bool):
         self.nbytes = nbytes
         self.future = future
+        self.priority = priority
 
 
 class AdmissionController:
@@ -79,23 +92,37 @@ class AdmissionController:
     def num_waiting(self) -> int:
         return len(self._waiters)
 
-    def can_admit(self, nbytes: int) -> bool:
-        return not self._waiters and self._in_flight + nbytes <= self.budget_bytes
+    def can_admit(self, nbytes: int, priority: bool = False) -> bool:
+        ahead = self._num_priority_waiting() if priority else len(self._waiters)
+        return not ahead and self._in_flight + nbytes <= self.budget_bytes
 
-    async def acquire(self, nbytes: int, timeout_s: float | None = None) -> Reservation:
-        """Reserve nbytes, waiting in FIFO order. Use as `async with await acquire(n):` or
-        call `release()` on the result in a `finally`."""
+    def _num_priority_waiting(self) -> int:
+        n = 0
+        for waiter in self._waiters:
+            if not waiter.priority:
+                break
+            n += 1
+        return n
+
+    async def acquire(self, nbytes: int, timeout_s: float | None = None, *,
+                      priority: bool = False) -> Reservation:
+        """Reserve nbytes, waiting in FIFO order (ahead of every non-priority waiter when
+        `priority`). Use as `async with await acquire(n):` or call `release()` on the result
+        in a `finally`."""
         if nbytes > self.budget_bytes:
             raise PayloadTooLargeError(
                 f"the request's images need {nbytes} bytes to decode and resize; the whole "
                 f"multimodal budget (mm_inflight_budget) is {self.budget_bytes} bytes",
                 code="mm_budget_too_small")
-        if self.can_admit(nbytes):
+        if self.can_admit(nbytes, priority):
             self._in_flight += nbytes
             return Reservation(self, nbytes)
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(nbytes, loop.create_future())
-        self._waiters.append(waiter)
+        waiter = _Waiter(nbytes, loop.create_future(), priority)
+        if priority:
+            self._waiters.insert(self._num_priority_waiting(), waiter)
+        else:
+            self._waiters.append(waiter)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         # Not asyncio.wait_for: on 3.11 it can swallow a cancel that lands with the grant.
         timer = loop.call_later(timeout, self._expire, waiter)
@@ -116,6 +143,18 @@ class AdmissionController:
         finally:
             timer.cancel()
         return Reservation(self, nbytes)
+
+    async def exchange(self, held: Reservation, nbytes: int) -> Reservation:
+        """Swap `held` (a request's body bytes) for a reservation of `nbytes`: kept as it is
+        when it already covers them, else given back and re-acquired with priority."""
+        if held.nbytes >= nbytes:
+            moved = held.transfer()
+            moved.shrink_to(nbytes)
+            return moved
+        if nbytes > self.budget_bytes:
+            return await self.acquire(nbytes)  # raises the 413; `held` is the caller's
+        held.release()
+        return await self.acquire(nbytes, priority=True)
 
     def _expire(self, waiter: _Waiter) -> None:
         if not waiter.future.done():

@@ -102,9 +102,10 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
                      prepare: Callable[[RequestBody, float], Awaitable[Prepared]]) -> Response:
         arrival = time.monotonic()
         metrics.num_preparing.inc()
+        body = None
         try:
             # The body is read before the disconnect watcher starts: both would receive().
-            body = RequestBody(await read_body(request, config.max_body_bytes))
+            body = await read_body(request, config.max_body_bytes, admission)
             prepared = await run_until_disconnect(request, prepare(body, arrival))
         except APIError as e:
             metrics.count_request(endpoint, e.status)
@@ -114,6 +115,9 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
             return Response(status_code=499)
         finally:
             metrics.num_preparing.dec()
+            if body is not None:
+                body.release()  # admission bytes the pipeline did not take over
+            body = None
         if prepared.stream:
             return StreamingResponse(
                 serving.stream(prepared, lambda status: metrics.count_request(endpoint, status)),

@@ -63,18 +63,26 @@ class ClientGone(Exception):
 
 
 class RequestBody:
-    """Holder of a request's raw bytes; the pipeline takes them out (R1)."""
+    """Holder of a request's raw bytes; the pipeline takes them out (R1). `reservation`:
+    the admission bytes a large body holds until the pipeline exchanges them for its images'
+    or, with no images, lets them go once parsed (R4)."""
 
-    __slots__ = ("data",)
+    __slots__ = ("data", "reservation")
 
-    def __init__(self, data: bytes):
+    def __init__(self, data: bytes, reservation: Reservation | None = None):
         self.data: bytes | None = data
+        self.reservation = reservation
 
     def take(self) -> bytes:
         data, self.data = self.data, None
         if data is None:
             raise RuntimeError("request body already taken")
         return data
+
+    def release(self) -> None:
+        """Give back whatever the pipeline has not exchanged (idempotent)."""
+        if self.reservation is not None:
+            self.reservation.release()
 
 
 @dataclass(eq=False)
@@ -109,12 +117,27 @@ class Prepared:
                          total_tokens=self.num_prompt_tokens + completion)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 as soon as it passes `limit` bytes."""
+# Bodies below this are read without admission: uvicorn buffers this much of every
+# connection's body before the app reads it anyway.
+BODY_ADMISSION_MIN_BYTES = 64 << 10
+# While a body is parsed, its bytes and the strings parsed from them exist together.
+BODY_COPIES = 2
+
+
+async def read_body(request: Request, limit: int, admission: AdmissionController
+                    ) -> RequestBody:
+    """The request body, refused with 413 as soon as it passes `limit` bytes. A large body
+    is admitted before it is read (R4): its declared length up front, an undeclared one in
+    doubling steps as it arrives. Until admitted, its bytes stay in the socket buffers."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    size_hint = int(declared) if declared is not None and declared.isdigit() else None
+    if size_hint is not None and size_hint > limit:
         raise PayloadTooLargeError(f"request body is larger than max_body_bytes={limit}",
                                    code="body_too_large")
+    budget = admission.budget_bytes
+    reservation = None
+    if size_hint is not None and size_hint >= BODY_ADMISSION_MIN_BYTES:
+        reservation = await admission.acquire(min(BODY_COPIES * size_hint, budget))
     chunks: list[bytes] = []
     size = 0
     try:
@@ -124,9 +147,22 @@ async def read_body(request: Request, limit: int) -> bytes:
                 raise PayloadTooLargeError(f"request body is larger than max_body_bytes={limit}",
                                            code="body_too_large")
             chunks.append(chunk)
-    except ClientDisconnect:
-        raise ClientGone() from None
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            if size_hint is None and size >= BODY_ADMISSION_MIN_BYTES:
+                held = reservation.nbytes if reservation is not None else 0
+                if held < min(BODY_COPIES * size, budget):
+                    more = await admission.acquire(min(max(2 * held, BODY_COPIES * size),
+                                                       budget) - held)
+                    if reservation is None:
+                        reservation = more
+                    else:
+                        reservation.absorb(more)
+    except BaseException as e:
+        if reservation is not None:
+            reservation.release()
+        if isinstance(e, ClientDisconnect):
+            raise ClientGone() from None
+        raise
+    return RequestBody(chunks[0] if len(chunks) == 1 else b"".join(chunks), reservation)
 
 
 def _parse(model: type[pydantic.BaseModel], body: bytes):
@@ -200,6 +236,8 @@ class Serving:
         requested = req.requested_max_tokens
         settings = _RequestSettings.of(req)
         req = None  # R1: the model held the base64 strings; only the MediaRefs do now
+        if not refs:
+            body.release()  # parsed: no image will need the body's bytes
 
         encoded = await _settle([self.loader.fetch(ref) for ref in refs])
         refs = None
@@ -211,12 +249,14 @@ class Serving:
         max_tokens = self.builder.resolve_max_tokens(len(prompt_ids), requested)
         sampling = [self._sampling(settings, max_tokens, i) for i in range(settings.n)]
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self._hand_off(rid, [prompt_ids] * settings.n, sampling, encoded)
+        streams = await self._hand_off(rid, [prompt_ids] * settings.n, sampling, encoded,
+                                       body.reservation)
         encoded = None
         return self._prepared("chat", rid, arrival, settings, len(prompt_ids), streams)
 
     async def prepare_completion(self, body: RequestBody, arrival: float) -> Prepared:
         req = _parse(CompletionRequest, body.take())
+        body.release()  # parsed: the prompts are all that is left of the body
         self._check_model(req.model)
         self._check_n(req.n)
         prompts = req.prompt
@@ -253,14 +293,21 @@ class Serving:
                         num_prompt_tokens=num_prompt_tokens, choices=choices, arrival=arrival)
 
     async def _hand_off(self, rid: str, prompt_ids: list[list[int]],
-                        sampling: list[SamplingParams], encoded: list[EncodedImage]
-                        ) -> list[RequestStream]:
+                        sampling: list[SamplingParams], encoded: list[EncodedImage],
+                        held: Reservation | None = None) -> list[RequestStream]:
         """Admit, decode, submit one engine request per choice, release. Every choice shares
-        the same ImageInput objects: the pixels exist once in this process whatever n is."""
+        the same ImageInput objects: the pixels exist once in this process whatever n is.
+        `held`: the body's reservation, exchanged for the images' (emptied by the exchange;
+        the caller releases it on every other path)."""
         self.engines.pick()  # 503 now, before any pixel is decoded, when no engine is up
         reservation = None
         if encoded:
-            reservation = await self.admission.acquire(sum(e.need_bytes for e in encoded))
+            need = sum(e.need_bytes for e in encoded)
+            if held is not None and held.nbytes:
+                reservation = await self.admission.exchange(held, need)
+            else:
+                reservation = await self.admission.acquire(need)
+        held = None
         try:
             images = await self._decode(encoded, reservation) if encoded else []
             encoded = None

@@ -140,3 +140,90 @@ async def test_many_concurrent_requests_never_exceed_budget():
     await asyncio.gather(*(one(50 + (i * 37) % 400) for i in range(200)))
     assert peak <= 1000
     assert adm.in_flight_bytes == 0 and adm.num_waiting == 0
+
+
+async def test_priority_waiters_go_ahead_of_new_requests_in_fifo_order():
+    adm = AdmissionController(100, timeout_s=5)
+    held = await adm.acquire(100)
+    order: list[str] = []
+
+    async def want(name, n, priority=False):
+        r = await adm.acquire(n, priority=priority)
+        order.append(name)
+        return r
+
+    tasks = [asyncio.create_task(want("new", 10))]
+    await asyncio.sleep(0)
+    tasks.append(asyncio.create_task(want("first exchange", 50, priority=True)))
+    await asyncio.sleep(0)
+    tasks.append(asyncio.create_task(want("second exchange", 40, priority=True)))
+    await asyncio.sleep(0)
+    held.release()
+    for r in await asyncio.gather(*tasks):
+        r.release()
+    assert order == ["first exchange", "second exchange", "new"]
+    assert adm.in_flight_bytes == 0
+
+
+async def test_priority_request_that_fits_is_granted_past_waiting_new_requests():
+    adm = AdmissionController(100, timeout_s=5)
+    held = await adm.acquire(60)
+    new = asyncio.create_task(adm.acquire(50))
+    await asyncio.sleep(0)
+    exchange = await adm.acquire(40, priority=True)  # fits now; the new one still waits
+    assert adm.num_waiting == 1 and adm.in_flight_bytes == 100
+    exchange.release()
+    held.release()
+    (await new).release()
+    assert adm.in_flight_bytes == 0
+
+
+async def test_exchange_keeps_a_reservation_that_already_covers_the_need():
+    adm = AdmissionController(100, timeout_s=5)
+    body = await adm.acquire(70)
+    pixels = await adm.exchange(body, 30)
+    assert (body.nbytes, pixels.nbytes, adm.in_flight_bytes) == (0, 30, 30)
+    body.release()  # emptied: nothing more comes back
+    pixels.release()
+    assert adm.in_flight_bytes == 0
+
+
+async def test_exchange_gives_the_body_back_and_waits_ahead_of_new_requests():
+    adm = AdmissionController(100, timeout_s=5)
+    other = await adm.acquire(50)
+    body = await adm.acquire(40)
+    new = asyncio.create_task(adm.acquire(10))  # fits now: granted at once
+    r_new = await new
+    late = asyncio.create_task(adm.acquire(60))  # waits
+    await asyncio.sleep(0)
+    exchange = asyncio.create_task(adm.exchange(body, 80))  # 40 back, then 80 with priority
+    await asyncio.sleep(0)
+    assert body.nbytes == 0 and adm.in_flight_bytes == 60 and adm.num_waiting == 2
+    other.release()
+    r_new.release()
+    pixels = await exchange
+    assert pixels.nbytes == 80 and not late.done()
+    pixels.release()
+    (await late).release()
+    assert adm.in_flight_bytes == 0
+
+
+async def test_exchange_for_more_than_the_budget_is_413_and_leaves_the_body_to_its_owner():
+    adm = AdmissionController(100, timeout_s=5)
+    body = await adm.acquire(40)
+    with pytest.raises(PayloadTooLargeError):
+        await adm.exchange(body, 101)
+    assert body.nbytes == 40
+    body.release()
+    assert adm.in_flight_bytes == 0 and adm.num_waiting == 0
+
+
+async def test_absorb_merges_reservations():
+    adm = AdmissionController(100, timeout_s=5)
+    a, b = await adm.acquire(30), await adm.acquire(20)
+    a.absorb(b)
+    assert (a.nbytes, b.nbytes) == (50, 0)
+    b.release()
+    assert adm.in_flight_bytes == 50
+    a.release()
+    assert adm.in_flight_bytes == 0
