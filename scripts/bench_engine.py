@@ -53,12 +53,15 @@ class Result:
         return self.output_tokens / self.wall_s
 
     def row(self) -> dict:
+        def num(x: float, scale: float = 1.0) -> float | None:  # None (JSON null) for NaN
+            return None if np.isnan(x) else round(scale * float(x), 1)
+
         return {
             "system": self.system,
             "output_tokens_per_s": round(self.tokens_per_s, 1),
-            "mean_ttft_ms": round(1000 * float(np.mean(self.ttft_s)), 1),
-            "p50_ttft_ms": round(1000 * float(np.median(self.ttft_s)), 1),
-            "peak_rss_mib": round(self.peak_rss_mib, 1),
+            "mean_ttft_ms": num(np.mean(self.ttft_s), 1000),
+            "p50_ttft_ms": num(np.median(self.ttft_s), 1000),
+            "peak_rss_mib": num(self.peak_rss_mib),
             "wall_s": round(self.wall_s, 3),
             "output_tokens": self.output_tokens,
         }
@@ -96,7 +99,22 @@ def peak_rss_mib() -> float:
 # ---- flatserve ------------------------------------------------------------------------
 
 
-def run_engine(model: str, specs: list[Spec], args: dict) -> Result:
+# The dense math of a forward: what an engine with no overhead at all would still run.
+KERNEL_OPS = (
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_scaled_dot_product_attention_math",
+)
+
+
+def run_engine(model: str, specs: list[Spec], args: dict, kernels_only: bool = False) -> Result:
+    """The engine over `specs`. kernels_only: run it under torch.profiler and report the
+    time spent inside KERNEL_OPS as the wall time (a floor for any engine on this
+    machine, same dtype and threads); CPU only."""
+    import torch
+
     from engine_proc.llm_engine import LLMEngine
     from shared.messages import GenerateRequest, ImageInput
     from shared.sampling_params import SamplingParams
@@ -115,6 +133,9 @@ def run_engine(model: str, specs: list[Spec], args: dict) -> Result:
     pending = list(requests(""))
     first: dict[str, float] = {}
     num_tokens = 0
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    if kernels_only:
+        profiler.start()
     start = time.perf_counter()
     for request in pending:
         engine.add_request(request)
@@ -126,8 +147,20 @@ def run_engine(model: str, specs: list[Spec], args: dict) -> Result:
             num_tokens += len(output.new_token_ids)
             first.setdefault(output.request_id, now - start)
     wall = time.perf_counter() - start
+    if not kernels_only:
+        return Result(
+            "flatserve LLMEngine", len(specs), num_tokens, wall, list(first.values()),
+            peak_rss_mib(),
+        )
+    profiler.stop()
+    kernel_us = sum(e.self_cpu_time_total for e in profiler.key_averages() if e.key in KERNEL_OPS)
     return Result(
-        "flatserve LLMEngine", len(specs), num_tokens, wall, list(first.values()), peak_rss_mib()
+        "floor: matmul + attention kernels only",
+        len(specs),
+        num_tokens,
+        kernel_us / 1e6,
+        [float("nan")],
+        float("nan"),
     )
 
 
@@ -151,12 +184,12 @@ class _FirstToken:
         pass
 
 
-def run_transformers(model_path: str, specs: list[Spec], batch_size: int) -> Result:
+def run_transformers(model_path: str, specs: list[Spec], batch_size: int, dtype: str) -> Result:
     import torch
     from transformers import AutoImageProcessor, Qwen2_5_VLForConditionalGeneration
 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-        model_path, dtype=torch.float32
+        model_path, dtype=getattr(torch, dtype)
     ).eval()
     processor = AutoImageProcessor.from_pretrained(model_path)
     image_token_id = model.config.image_token_id
@@ -251,9 +284,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--num-kv-blocks", type=int, default=1024)
     parser.add_argument("--device", default=None)
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="weights and activations, the same for both systems",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--threads", type=int, default=0, help="torch threads per system (0: torch's default)"
+    )
+    parser.add_argument(
+        "--floor",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time the engine's matmul and attention kernels alone (CPU): the most any "
+        "engine could reach with no overhead, as a limit beside the ratios",
     )
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parser.parse_args(argv)
@@ -272,12 +318,15 @@ def main(argv: list[str] | None = None) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_kv_blocks=args.num_kv_blocks,
         device=args.device,
+        dtype=args.dtype,
     )
     results: list[Result] = []
     errors: dict[str, str] = {}
     runs = [("flatserve", run_engine, (model, specs, engine_args))]
+    if args.floor:
+        runs.append(("kernel floor", run_engine, (model, specs, engine_args, True)))
     for bs in (int(b) for b in args.hf_batch_sizes.split(",") if b):
-        runs.append((f"transformers bs={bs}", run_transformers, (model, specs, bs)))
+        runs.append((f"transformers bs={bs}", run_transformers, (model, specs, bs, args.dtype)))
     for name, target, target_args in runs:
         print(f"running {name} ...", file=sys.stderr, flush=True)
         result = in_fresh_process(target, target_args, args.threads)
@@ -288,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(result)
 
     engine = results[0] if results and results[0].system.startswith("flatserve") else None
+    floor = next((r for r in results if r.system.startswith("floor")), None)
     rows = [r.row() for r in results]
     for result, row in zip(results, rows, strict=True):
         row["engine_speedup"] = (
@@ -303,8 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"\n{len(specs)} concurrent requests ({num_images} with an image, {len(specs) - num_images} "
-        f"text-only), {lengths} output tokens each, model {Path(model).name}, torch threads "
-        f"{args.threads or 'default'}\n"
+        f"text-only), {lengths} output tokens each, model {Path(model).name}, {args.dtype}, "
+        f"torch threads {args.threads or 'default'}\n"
     )
     header = ["system", "out tok/s", "mean TTFT ms", "p50 TTFT ms", "peak RSS MiB", "engine x"]
     keys = [
@@ -321,8 +371,14 @@ def main(argv: list[str] | None = None) -> int:
     print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
     for row in rows:
         print("  ".join(str(row[k]).ljust(w) for k, w in zip(keys, widths, strict=True)))
+    ceiling = round(floor.tokens_per_s / best_hf.tokens_per_s, 2) if floor and best_hf else None
     if best_hf:
         print(f"\nspeedup vs best transformers ({best_hf.system}): {speedup}x output tokens/s")
+    if ceiling:
+        print(
+            f"ceiling on this machine: {ceiling}x (the kernel floor vs the same transformers "
+            f"run: an engine with zero overhead would reach that much, no more)"
+        )
     for name, error in errors.items():
         print(f"{name}: FAILED {error}")
     if args.json:
@@ -334,11 +390,13 @@ def main(argv: list[str] | None = None) -> int:
                     "min_tokens": min_tokens,
                     "max_tokens": args.max_tokens,
                     "threads": args.threads,
+                    "dtype": args.dtype,
                     "model": model,
                     "results": rows,
                     "errors": errors,
                     "best_transformers": best_hf.system if best_hf else None,
                     "speedup_vs_transformers": speedup,
+                    "ceiling_vs_transformers": ceiling,
                 },
                 indent=2,
             )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -178,6 +179,10 @@ def run_soak(config: SoakConfig, on_sample: Callable[[RssSampler], None] | None 
     return summary
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     """The soak command line: 0 passed, 1 failed (growth or errors), 2 could not run,
     130 interrupted."""
@@ -185,6 +190,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         config = parse_args(sys.argv[1:] if argv is None else argv, prog)
     except SystemExit as exit_:  # --help, or bad arguments (already reported)
         return exit_.code if isinstance(exit_.code, int) else 2
+    # SIGTERM stops a soak as Ctrl-C does: the load ends, the server it started is stopped
+    # (it runs in its own session, so no signal reaches it otherwise) and results are kept.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         summary = run_soak(config)
     except (ServerStartError, SoakError) as err:
@@ -193,6 +201,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     except KeyboardInterrupt:
         _log("interrupted")
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     table_stream = sys.stderr if config.json_path == "-" else sys.stdout
     print(format_table(summary), file=table_stream)
     if "server_log" in summary.files and (summary.stop_reason or any(

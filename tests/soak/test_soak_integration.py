@@ -96,3 +96,25 @@ def test_attach_with_pids_from_the_command_line(tmp_path, running_server, capsys
                                                                   ("engine 0", engine)]
     assert data["passed"] and data["requests"] == 200 and data["config"]["stream"] is False
     assert "PASSED" in out and "engine 0" in out
+
+
+def test_sigterm_stops_the_soak_and_the_server_it_started(tmp_path):
+    soak = subprocess.Popen(
+        [sys.executable, "-m", "api_proc.cli", "soak", "--requests", "100000", "--concurrency",
+         "2", "--image-size", "48", "--max-tokens", "4", "--interval", "0.05", "--no-progress",
+         "--out", str(tmp_path), "--server-command", f"{sys.executable} {FAKE_SERVER} serve",
+         "--", "--engines", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    server: list[psutil.Process] = []
+    while len(server) < 2:  # the api and its engine are up
+        assert soak.poll() is None and time.monotonic() < deadline, "the server did not start"
+        server = psutil.Process(soak.pid).children(recursive=True)
+        time.sleep(0.1)
+    time.sleep(2.0)  # some load
+    soak.send_signal(signal.SIGTERM)
+    out = soak.communicate(timeout=30)[0].decode()
+    assert soak.returncode == 130 and "FAILED: interrupted" in out, out  # results so far kept
+    assert (tmp_path / "summary.json").exists()
+    _, alive = psutil.wait_procs(server, timeout=10)
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], out
