@@ -105,16 +105,24 @@ def test_sigterm_stops_the_soak_and_the_server_it_started(tmp_path):
          "--out", str(tmp_path), "--server-command", f"{sys.executable} {FAKE_SERVER} serve",
          "--", "--engines", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 30
     server: list[psutil.Process] = []
-    while len(server) < 2:  # the api and its engine are up
-        assert soak.poll() is None and time.monotonic() < deadline, "the server did not start"
-        server = psutil.Process(soak.pid).children(recursive=True)
-        time.sleep(0.1)
-    time.sleep(2.0)  # some load
-    soak.send_signal(signal.SIGTERM)
-    out = soak.communicate(timeout=30)[0].decode()
-    assert soak.returncode == 130 and "FAILED: interrupted" in out, out  # results so far kept
-    assert (tmp_path / "summary.json").exists()
-    _, alive = psutil.wait_procs(server, timeout=10)
-    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], out
+    try:
+        deadline = time.monotonic() + 30
+        while len(server) < 2:  # the api and its engine are up
+            assert soak.poll() is None and time.monotonic() < deadline, "no server started"
+            server = psutil.Process(soak.pid).children(recursive=True)
+            time.sleep(0.1)
+        time.sleep(2.0)  # some load
+        soak.send_signal(signal.SIGTERM)
+        out = soak.communicate(timeout=30)[0].decode()
+        assert soak.returncode == 130 and "FAILED: interrupted" in out, out  # results kept
+        assert (tmp_path / "summary.json").exists()
+        _, alive = psutil.wait_procs(server, timeout=10)
+        assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], out
+    finally:  # never leave a load generator or server behind when the test fails
+        for p in [*server, psutil.Process(soak.pid)] if soak.poll() is None else server:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        soak.wait()
