@@ -198,13 +198,12 @@ class ModelRunner:
             max_q_len=int(q_lens.max()),
             max_seq_len=int(seq_lens.max()),
             all_decode=batch.all_decode,
+            # hints for layers/attention.py: the leading q_len == 1 sequences, and every
+            # sequence's lengths on the host (prefills then run one at a time)
+            num_decodes=batch.num_decode_seqs,
+            q_lens_host=None if batch.all_decode else q_lens.tolist(),
+            seq_lens_host=None if batch.all_decode else seq_lens.tolist(),
         )
-        # optional hints read by layers/attention.py: the leading q_len == 1 sequences,
-        # and every sequence's lengths on the host (prefills then run one at a time)
-        context.num_decodes = batch.num_decode_seqs
-        if not batch.all_decode:
-            context.q_lens_host = q_lens.tolist()
-            context.seq_lens_host = seq_lens.tolist()
         return (
             self._to_device(input_ids),
             self._to_device(positions),

@@ -133,8 +133,9 @@ def run_engine(model: str, specs: list[Spec], args: dict, kernels_only: bool = F
     pending = list(requests(""))
     first: dict[str, float] = {}
     num_tokens = 0
-    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    profiler = None
     if kernels_only:
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
         profiler.start()
     start = time.perf_counter()
     for request in pending:
