@@ -8,7 +8,7 @@ import signal
 import sys
 
 from shared.engine_config import EngineConfig
-from shared.memory import apply_malloc_settings
+from shared.memory import apply_malloc_settings, bound_kernel_caches
 from shared.process import die_with_parent, set_process_title
 
 
@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     set_process_title(f"flatserve: engine {config.rank}")
     apply_malloc_settings()
+    bound_kernel_caches()
     if args.die_with_parent:
         die_with_parent()
 

@@ -246,6 +246,10 @@ def run_transformers(model_path: str, specs: list[Spec], batch_size: int, dtype:
 
 
 def _child(target, args, threads, queue) -> None:
+    if target is run_engine:  # the engine runs with the settings a spawned engine gets
+        from shared.memory import bound_kernel_caches
+
+        bound_kernel_caches()
     if threads:
         import torch
 
