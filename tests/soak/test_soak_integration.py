@@ -3,6 +3,7 @@ passes on a flat server and fails on one that leaks per request (R5)."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -102,7 +103,6 @@ def test_sigterm_stops_the_soak_and_the_server_it_started(tmp_path):
     soak = subprocess.Popen(
         [sys.executable, "-m", "api_proc.cli", "soak", "--requests", "100000", "--concurrency",
          "2", "--image-size", "48", "--max-tokens", "4", "--interval", "0.05", "--no-progress",
-         "--max-slope", "1000",  # 2 s of load fits no slope worth judging: only the interrupt
          "--out", str(tmp_path), "--server-command", f"{sys.executable} {FAKE_SERVER} serve",
          "--", "--engines", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -116,7 +116,8 @@ def test_sigterm_stops_the_soak_and_the_server_it_started(tmp_path):
         time.sleep(2.0)  # some load
         soak.send_signal(signal.SIGTERM)
         out = soak.communicate(timeout=30)[0].decode()
-        assert soak.returncode == 130 and "FAILED: interrupted" in out, out  # results kept
+        # results kept; 2 s of load may judge a slope too (or too few samples to fit one)
+        assert soak.returncode == 130 and re.search(r"^FAILED: .*interrupted$", out, re.M), out
         assert (tmp_path / "summary.json").exists()
         _, alive = psutil.wait_procs(server, timeout=10)
         assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], out
