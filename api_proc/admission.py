@@ -1,10 +1,14 @@
-"""Admission control on multimodal bytes in flight in the API process (R4).
+"""Admission control on multimodal bytes in flight, in the API process and the engines (R4).
 
-Two phases share one budget. A large request body is reserved before it is read (its bytes
-and the strings parsed from them), so a crowd of clients uploading base64 images cannot
-hold more than the budget in request bodies. Once its images' headers are read, the request
-exchanges that reservation for the bytes decoding and resizing will need, and holds those
-until the engine holds the pixels.
+Three phases share one budget. A large request body is reserved before it is read (its
+bytes and the strings parsed from them), so a crowd of clients uploading base64 images
+cannot hold more than the budget in request bodies. Once its images' headers are read, the
+request exchanges that reservation for the bytes decoding and resizing will need. Once
+decoded, it keeps only its resized pixels' bytes (once per engine request: each of `n`
+choices sends its own copy), and each engine request gives its share back when its first
+output arrives: by then the engine has encoded the images and dropped their pixels and
+embeddings (R3). So the budget bounds image bytes queued in the engines too, not only
+those being prepared here.
 
 Requests that do not fit wait in FIFO order; a waiter at the head blocks the ones behind it,
 so big requests are not starved by a stream of small ones. An exchange gives its body bytes
@@ -45,6 +49,12 @@ class Reservation:
         moved = Reservation(self._controller, self.nbytes)
         self.nbytes = 0
         return moved
+
+    def split(self, nbytes: int) -> Reservation:
+        """Move `nbytes` of this one (at most what it holds) into a new Reservation."""
+        n = min(nbytes, self.nbytes)
+        self.nbytes -= n
+        return Reservation(self._controller, n)
 
     def absorb(self, other: Reservation) -> None:
         """Take over what `other` holds (a reservation grown in steps)."""

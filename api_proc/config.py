@@ -25,8 +25,12 @@ class ApiConfig:
     max_image_pixels: int = opt(40_000_000, "most pixels an image header may declare")
     max_image_bytes: int = opt(20 * MiB, "most encoded bytes per image")
     max_body_bytes: int = opt(200 * MiB, "most bytes in one HTTP request body")
-    mm_inflight_budget: int = opt(2 * GiB, "most multimodal bytes being prepared at once")
-    admission_timeout_s: float = opt(30.0, "how long a request waits for budget before 429")
+    mm_inflight_budget: int = opt(
+        2 * GiB, "most image bytes in flight: request bodies, decoding and resizing, and "
+        "resized pixels until their engine has prefilled them")
+    # Waiting for budget includes waiting behind images queued in the engines, which is
+    # where a request would otherwise wait; so the default is long, like an engine queue.
+    admission_timeout_s: float = opt(300.0, "how long a request waits for budget before 429")
     allowed_media_domains: tuple[str, ...] | None = opt(
         None, "hosts image URLs may name (default: any public host)"
     )

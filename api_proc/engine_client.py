@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from api_proc.admission import Reservation
 from api_proc.errors import (
     APIError,
     BadRequestError,
@@ -109,16 +110,26 @@ class EngineClient:
 
     # -- requests
 
-    def submit(self, request: GenerateRequest) -> RequestStream:
+    def submit(self, request: GenerateRequest, mm_reservation: Reservation | None = None
+               ) -> RequestStream:
         """Start `request` on the least-loaded engine. Takes ownership: the caller drops its
-        references; only the rpc layer holds the payload from here until it is sent (R1)."""
-        engine = self.pick()
+        references; only the rpc layer holds the payload from here until it is sent (R1).
+        `mm_reservation` (the admission bytes of the request's pixels) is released when the
+        first output arrives, i.e. once the engine has freed the pixels (R3), or when the
+        stream ends before that."""
         request_id = request.request_id
         prompt_tokens = len(request.prompt_token_ids)
         max_tokens = request.sampling.max_tokens
-        rpc_stream = engine.rpc.stream("generate", request)
+        try:
+            engine = self.pick()
+            rpc_stream = engine.rpc.stream("generate", request)
+        except BaseException:
+            if mm_reservation is not None:
+                mm_reservation.release()  # owned from the call on, like the request
+            raise
         request = None  # noqa: F841 (R1: the rpc stream owns it now)
-        return RequestStream(self, engine, request_id, rpc_stream, prompt_tokens, max_tokens)
+        return RequestStream(self, engine, request_id, rpc_stream, prompt_tokens, max_tokens,
+                             mm_reservation)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         stream = self.submit(request)
@@ -191,11 +202,13 @@ class RequestStream:
     """One request's outputs from its engine; keeps only ids and counters (R2)."""
 
     __slots__ = ("request_id", "_client", "_engine", "_rpc_stream", "_prompt_tokens",
-                 "_budget", "_first", "_done", "__weakref__")
+                 "_budget", "_first", "_done", "_mm_reservation", "__weakref__")
 
     def __init__(self, client: EngineClient, engine: EngineHandle, request_id: str,
-                 rpc_stream: Any, prompt_tokens: int, max_tokens: int):
+                 rpc_stream: Any, prompt_tokens: int, max_tokens: int,
+                 mm_reservation: Reservation | None = None):
         self.request_id = request_id
+        self._mm_reservation = mm_reservation
         self._client = client
         self._engine = engine
         self._rpc_stream = rpc_stream
@@ -245,11 +258,18 @@ class RequestStream:
         if self._first:
             used += self._prompt_tokens
             self._first = False
+            self._release_mm()  # prefill is done: the engine holds no pixels of it (R3)
         used = min(used, self._budget)
         self._budget -= used
         self._engine.num_tokens -= used
 
+    def _release_mm(self) -> None:
+        if self._mm_reservation is not None:
+            self._mm_reservation.release()
+            self._mm_reservation = None
+
     def _finish(self) -> None:
+        self._release_mm()
         if self._done:
             return
         self._done = True

@@ -39,7 +39,7 @@ class Metrics:
         Gauge("flatserve_requests_running", "Requests handed to an engine and not finished",
               registry=r).set_function(num_running)
         Gauge("flatserve_mm_inflight_bytes",
-              "Multimodal bytes reserved by requests not yet handed to an engine",
+              "Image bytes reserved: bodies, decoding, and pixels not yet prefilled by an engine",
               registry=r).set_function(mm_inflight_bytes)
         process = psutil.Process()
         Gauge("flatserve_process_rss_bytes", "Resident set size of the API process",

@@ -2,7 +2,7 @@
 
     read body -> validate -> fetch images + read headers -> template, tokenize, expand
     -> admit (bytes sized from headers) -> decode + resize (worker pool) -> submit to an
-    engine -> DROP payload, release admission -> detokenize -> JSON or SSE chunks
+    engine -> DROP payload -> first output: release admission -> detokenize -> JSON or SSE
 
 `prepare_*` does everything up to the handoff and returns a `Prepared`: ids, counters and
 detokenizers only (R2). The payload lives only in prepare's frame and in the objects it
@@ -295,14 +295,18 @@ class Serving:
     async def _hand_off(self, rid: str, prompt_ids: list[list[int]],
                         sampling: list[SamplingParams], encoded: list[EncodedImage],
                         held: Reservation | None = None) -> list[RequestStream]:
-        """Admit, decode, submit one engine request per choice, release. Every choice shares
-        the same ImageInput objects: the pixels exist once in this process whatever n is.
+        """Admit, decode, submit one engine request per choice. Every choice shares the same
+        ImageInput objects: the pixels exist once in this process whatever n is. Each engine
+        request takes its share of the reservation (its pixels' bytes) and gives it back at
+        its first output, when the engine has freed them (R3, R4).
         `held`: the body's reservation, exchanged for the images' (emptied by the exchange;
         the caller releases it on every other path)."""
         self.engines.pick()  # 503 now, before any pixel is decoded, when no engine is up
         reservation = None
+        per_request = sum(e.resized_bytes for e in encoded)  # what each engine request holds
         if encoded:
-            need = sum(e.need_bytes for e in encoded)
+            # every choice after the first sends its own copy of the pixels to an engine
+            need = sum(e.need_bytes for e in encoded) + (len(prompt_ids) - 1) * per_request
             if held is not None and held.nbytes:
                 reservation = await self.admission.exchange(held, need)
             else:
@@ -314,9 +318,10 @@ class Serving:
             streams: list[RequestStream] = []
             try:
                 for i, (ids, params) in enumerate(zip(prompt_ids, sampling, strict=True)):
+                    share = reservation.split(per_request) if reservation is not None else None
                     streams.append(self.engines.submit(GenerateRequest(
                         request_id=f"{rid}-{i}", prompt_token_ids=ids, sampling=params,
-                        images=images)))
+                        images=images), mm_reservation=share))
             except BaseException:
                 for s in streams:
                     await s.aclose()

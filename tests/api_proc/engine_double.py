@@ -6,6 +6,7 @@ id (finish "stop"). Directives in the prompt text change its behaviour:
 
     [[slow]]   0.05 s between outputs         [[hang]]   first output, then wait for cancel
     [[error]]  raise after the first output   [[refuse]] refuse the request at once
+    [[gated]]  no output until `open_gate` is called (a prefill that takes its time)
 
 `test_log` returns what it saw: per request its id, prompt length, image shapes and grids,
 and the ids whose streams were cancelled or aborted.
@@ -34,6 +35,7 @@ class EngineDouble:
         self.cancelled: list[str] = []
         self.aborted: list[str] = []
         self.running: set[str] = set()
+        self.gate = asyncio.Event()
 
     async def generate(self, request: GenerateRequest):
         rid = request.request_id
@@ -52,6 +54,8 @@ class EngineDouble:
         self.running.add(rid)
         done = False
         try:
+            if "[[gated]]" in text:
+                await self.gate.wait()
             for i, token in enumerate(echo[:max_tokens]):
                 if delay:
                     await asyncio.sleep(delay)
@@ -73,6 +77,11 @@ class EngineDouble:
             if not done:
                 self.cancelled.append(rid)
 
+    async def open_gate(self) -> None:
+        """Let every [[gated]] request waiting now go on; later ones wait for the next call."""
+        gate, self.gate = self.gate, asyncio.Event()
+        gate.set()
+
     async def abort(self, request_id: str) -> bool:
         self.aborted.append(request_id)
         return True
@@ -92,7 +101,7 @@ async def serve(address: str, model_dir: str) -> None:
     double = EngineDouble(model_dir)
     server = RpcServer(address, Codec(types=WIRE_TYPES))
     server.register_stream("generate", double.generate)
-    for name in ("abort", "stats", "health", "test_log"):
+    for name in ("abort", "stats", "health", "test_log", "open_gate"):
         server.register_unary(name, getattr(double, name))
     await server.start()
     print("ready", flush=True)
