@@ -10,6 +10,8 @@ one gather plus one copy into patch order.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 
@@ -46,9 +48,35 @@ def pixels_to_patches(
             f"got {pixels.dtype} {tuple(pixels.shape)}"
         )
     table = normalize_table(cfg, pixels.device)
-    offsets = torch.arange(0, 3 * 256, 256, device=pixels.device)
-    values = table[pixels.long() + offsets]  # [H, W, 3]
+    index = pixels.to(torch.int32)  # int32, not int64: half the bytes of the biggest temporary
+    index += torch.arange(0, 3 * 256, 256, dtype=torch.int32, device=pixels.device)
+    values = table[index]  # [H, W, 3]
+    del index
     # (gh/m, m, p, gw/m, m, p, C) -> (gh/m, gw/m, m, m, C, [temporal], p, p)
     patches = values.view(gh // m, m, p, gw // m, m, p, 3).permute(0, 3, 1, 4, 6, 2, 5)
     patches = patches.unsqueeze(5).expand(gh // m, gw // m, m, m, 3, tp, p, p)
     return patches.reshape(gh * gw, 3 * tp * p * p)
+
+
+def pixels_to_patch_chunks(
+    pixels: torch.Tensor,
+    grid_thw: tuple[int, int, int],
+    cfg: ImageProcessorConfig,
+    max_patches: int,
+) -> Iterator[torch.Tensor]:
+    """`pixels_to_patches` in consecutive pieces of at most `max_patches` rows (at least one
+    row of merge units), whose concatenation is the whole result. Patch order is
+    block-major over merge units, so a band of merge-unit rows of the image is a contiguous
+    run of patches: a caller that embeds each piece at once never holds the float patches
+    of a whole large image (8x its uint8 bytes)."""
+    t, gh, gw = (int(v) for v in grid_thw)
+    p, m = cfg.patch_size, cfg.merge_size
+    if gh % m or gw % m:
+        raise ValueError(f"grid {grid_thw} is not a whole number of {m}x{m} merge units")
+    if tuple(pixels.shape) != (gh * p, gw * p, 3):
+        pixels_to_patches(pixels, grid_thw, cfg)  # raises, naming the expected shape
+    band = max(1, max_patches // (gw * m))  # merge-unit rows per piece
+    rows = m * p  # pixel rows per merge-unit row
+    for start in range(0, gh // m, band):
+        end = min(gh // m, start + band)
+        yield pixels_to_patches(pixels[start * rows : end * rows], (t, (end - start) * m, gw), cfg)

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine_proc.image_processor import pixels_to_patches
+from engine_proc.image_processor import pixels_to_patch_chunks
 from engine_proc.layers.linear import MergedLinear, store_weights_transposed
 from engine_proc.models.qwen2 import Qwen2Model
 from engine_proc.models.qwen2_5_vl_vision import Qwen2_5_VisionTransformer
@@ -29,6 +29,8 @@ _PACKED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+PATCH_CHUNK = 4096  # patches normalized and embedded at once (~19 MB of float32 patches)
+
 # transformers 5 may save the inner model's children under model.*; published checkpoints
 # (and this module) use model.* for the decoder and visual.* for the tower.
 _PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
@@ -141,14 +143,20 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         if len(pixels) != len(grids):
             raise ValueError(f"{len(pixels)} images but {len(grids)} grids")
         grids = [tuple(int(v) for v in g) for g in grids]
-        patches = torch.cat(
+        # Patches are embedded piece by piece: float patches are 8x the uint8 pixels
+        # (float32, temporal duplication), ~100 MB for one 2048px image; the embeddings
+        # are a tenth of that.
+        hidden = torch.cat(
             [
-                pixels_to_patches(p.to(self.device, non_blocking=True), g, self.config.image)
+                self.visual.patch_embed(chunk)
                 for p, g in zip(pixels, grids, strict=True)
+                for chunk in pixels_to_patch_chunks(
+                    p.to(self.device, non_blocking=True), g, self.config.image, PATCH_CHUNK
+                )
             ]
         )
-        embeds = self.visual(patches, tuple(grids))
-        del patches
+        embeds = self.visual.forward_embedded(hidden, tuple(grids))
+        del hidden
         unit = self.config.vision.spatial_merge_size**2
         outs = embeds.split([t * h * w // unit for t, h, w in grids])
         if len(outs) == 1:

@@ -265,7 +265,11 @@ class Qwen2_5_VisionTransformer(nn.Module):
     def forward(self, patches: torch.Tensor, grids: Grids) -> torch.Tensor:
         """patches [N, C*T*P*P] in processor order, grids ((t, h, w), ...) in patches ->
         merged embeddings [N / merge^2, out_hidden_size], images in order."""
-        x = self.patch_embed(patches)
+        return self.forward_embedded(self.patch_embed(patches), grids)
+
+    def forward_embedded(self, x: torch.Tensor, grids: Grids) -> torch.Tensor:
+        """`forward` from the patch embeddings [N, hidden] on (see `encode_images`, which
+        embeds large images piece by piece)."""
         layout = self.layout(tuple(tuple(int(v) for v in g) for g in grids), x.dtype)
         cos, sin = self.rotary(layout.pos_hw)
         for i, block in enumerate(self.blocks):

@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 from transformers import Qwen2VLImageProcessorPil
 
-from engine_proc.image_processor import pixels_to_patches
+from engine_proc.image_processor import pixels_to_patch_chunks, pixels_to_patches
 from shared.image_resize import resize_image, smart_resize
 from shared.model_config import ImageProcessorConfig
 
@@ -110,6 +110,24 @@ def test_pixels_to_patches_checks_shape_and_dtype():
         pixels_to_patches(pixels, (1, 6, 4), CFG)
     with pytest.raises(ValueError, match="uint8"):
         pixels_to_patches(pixels.float(), (1, 4, 6), CFG)
+
+
+@pytest.mark.parametrize("max_patches", [1, 24, 25, 100, 10_000])
+def test_patch_chunks_are_the_whole_result_in_order(rng, max_patches):
+    pixels, grid = resize_image(_image(rng, 300, 200, "RGB"), CFG)
+    whole = pixels_to_patches(torch.from_numpy(pixels), grid, CFG)
+    chunks = list(pixels_to_patch_chunks(torch.from_numpy(pixels), grid, CFG, max_patches))
+    band = CFG.merge_size * grid[2]  # patches in one row of merge units
+    assert all(len(c) <= max(max_patches, band) for c in chunks)
+    torch.testing.assert_close(torch.cat(chunks), whole, rtol=0, atol=0)
+
+
+def test_patch_chunks_check_the_grid():
+    pixels = torch.zeros(56, 84, 3, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="shape"):
+        next(pixels_to_patch_chunks(pixels, (1, 6, 4), CFG, 8))
+    with pytest.raises(ValueError, match="merge units"):
+        next(pixels_to_patch_chunks(torch.zeros(42, 84, 3, dtype=torch.uint8), (1, 3, 6), CFG, 8))
 
 
 @pytest.mark.gpu

@@ -41,6 +41,22 @@ def test_vision_tower_matches_hf(vl, grids):
     torch.testing.assert_close(torch.cat(split), ours)
 
 
+def test_encode_images_embeds_large_images_piece_by_piece(vl, monkeypatch):
+    import engine_proc.models.qwen2_5_vl as qwen
+
+    grids = [(1, 16, 24), (1, 10, 14)]
+    images, patches = _patches(vl, grids)
+    ours = vl.model.visual(patches, tuple(grids))
+    monkeypatch.setattr(qwen, "PATCH_CHUNK", 48)  # two merge-unit rows of the first image
+    pieces = []
+    embed = vl.model.visual.patch_embed.forward
+    monkeypatch.setattr(vl.model.visual.patch_embed, "forward",
+                        lambda x: pieces.append(len(x)) or embed(x))
+    split = vl.model.encode_images(images, grids)
+    assert max(pieces) <= 48 and sum(pieces) == len(patches)
+    torch.testing.assert_close(torch.cat(split), ours, atol=1e-5, rtol=1e-5)
+
+
 def test_encode_images_gives_each_image_its_own_storage(vl):
     grids = [(1, 4, 4), (1, 4, 8)]
     images, _ = _patches(vl, grids)
