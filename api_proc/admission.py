@@ -46,9 +46,7 @@ class Reservation:
     def transfer(self) -> Reservation:
         """Move what is left into a new Reservation (for a callback that outlives the
         caller's `finally`); this one then holds nothing."""
-        moved = Reservation(self._controller, self.nbytes)
-        self.nbytes = 0
-        return moved
+        return self.split(self.nbytes)
 
     def split(self, nbytes: int) -> Reservation:
         """Move `nbytes` of this one (at most what it holds) into a new Reservation."""

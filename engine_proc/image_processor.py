@@ -33,13 +33,11 @@ def normalize_table(cfg: ImageProcessorConfig, device: torch.device) -> torch.Te
     return table
 
 
-def pixels_to_patches(
+def _check_pixels(
     pixels: torch.Tensor, grid_thw: tuple[int, int, int], cfg: ImageProcessorConfig
-) -> torch.Tensor:
-    """pixels uint8 [H, W, 3] (H = grid_h * patch, W = grid_w * patch) -> float32
-    [grid_t * grid_h * grid_w, 3 * temporal_patch * patch * patch], on pixels' device."""
+) -> None:
     t, gh, gw = (int(v) for v in grid_thw)
-    p, m, tp = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
+    p = cfg.patch_size
     if t != 1:
         raise ValueError(f"an image has grid_t 1, got {t}")
     if pixels.dtype != torch.uint8 or tuple(pixels.shape) != (gh * p, gw * p, 3):
@@ -47,6 +45,16 @@ def pixels_to_patches(
             f"expected uint8 pixels of shape {(gh * p, gw * p, 3)} for grid {grid_thw}, "
             f"got {pixels.dtype} {tuple(pixels.shape)}"
         )
+
+
+def pixels_to_patches(
+    pixels: torch.Tensor, grid_thw: tuple[int, int, int], cfg: ImageProcessorConfig
+) -> torch.Tensor:
+    """pixels uint8 [H, W, 3] (H = grid_h * patch, W = grid_w * patch) -> float32
+    [grid_t * grid_h * grid_w, 3 * temporal_patch * patch * patch], on pixels' device."""
+    _check_pixels(pixels, grid_thw, cfg)
+    _, gh, gw = (int(v) for v in grid_thw)
+    p, m, tp = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
     table = normalize_table(cfg, pixels.device)
     index = pixels.to(torch.int32)  # int32, not int64: half the bytes of the biggest temporary
     index += torch.arange(0, 3 * 256, 256, dtype=torch.int32, device=pixels.device)
@@ -73,8 +81,7 @@ def pixels_to_patch_chunks(
     p, m = cfg.patch_size, cfg.merge_size
     if gh % m or gw % m:
         raise ValueError(f"grid {grid_thw} is not a whole number of {m}x{m} merge units")
-    if tuple(pixels.shape) != (gh * p, gw * p, 3):
-        pixels_to_patches(pixels, grid_thw, cfg)  # raises, naming the expected shape
+    _check_pixels(pixels, grid_thw, cfg)
     band = max(1, max_patches // (gw * m))  # merge-unit rows per piece
     rows = m * p  # pixel rows per merge-unit row
     for start in range(0, gh // m, band):

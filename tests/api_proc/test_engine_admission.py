@@ -38,6 +38,14 @@ def post_in_background(server, **body) -> tuple[threading.Thread, dict]:
     return thread, result
 
 
+def open_gate(double, thread: threading.Thread, result: dict) -> httpx.Response:
+    """Let the gated request's engine answer; its response, which must be a 200."""
+    double.call("open_gate")
+    thread.join(30)
+    assert result["response"].status_code == 200, result["response"].text
+    return result["response"]
+
+
 def wait_for(predicate, what: str, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -54,9 +62,7 @@ def test_pixels_hold_the_budget_until_the_engine_has_prefilled_them(
     wait_for(lambda: fresh_engine_double.log()["requests"], "the handoff")
     # decoding is over and the engine has the request, but has not answered yet
     wait_for(lambda: admission.in_flight_bytes == resized, "the pixel bytes alone to be held")
-    fresh_engine_double.call("open_gate")
-    thread.join(30)
-    assert result["response"].status_code == 200, result["response"].text
+    open_gate(fresh_engine_double, thread, result)
     assert admission.in_flight_bytes == 0
 
 
@@ -68,10 +74,7 @@ def test_each_choice_holds_its_own_copy_until_its_first_output(
     thread, result = post_in_background(server, n=3)
     wait_for(lambda: len(fresh_engine_double.log()["requests"]) == 3, "three engine requests")
     assert admission.in_flight_bytes == 3 * resized  # the engines hold three copies
-    fresh_engine_double.call("open_gate")
-    thread.join(30)
-    assert result["response"].status_code == 200, result["response"].text
-    assert len(result["response"].json()["choices"]) == 3
+    assert len(open_gate(fresh_engine_double, thread, result).json()["choices"]) == 3
     assert admission.in_flight_bytes == 0
 
 
@@ -90,9 +93,7 @@ def test_images_queued_in_an_engine_keep_new_image_requests_waiting(
     assert admission.in_flight_bytes == resized and admission.num_waiting == 0
     assert len(fresh_engine_double.log()["requests"]) == 2  # the gated one and the text one
 
-    fresh_engine_double.call("open_gate")
-    thread.join(30)
-    assert result["response"].status_code == 200
+    open_gate(fresh_engine_double, thread, result)
     assert chat(server, image_content(IMAGE)).status_code == 200
     assert admission.in_flight_bytes == 0
 
