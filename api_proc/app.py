@@ -51,7 +51,13 @@ async def run_until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
             raise ClientGone()
-    return task.result()
+    try:
+        return task.result()
+    finally:
+        # The task holds its exception, whose traceback holds this frame, which holds the
+        # task: a cycle that would keep every frame's locals (payloads included) until the
+        # garbage collector runs (R1).
+        task = watcher = None
 
 
 def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = None,

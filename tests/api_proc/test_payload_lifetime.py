@@ -3,8 +3,9 @@
 A weakref is held to the payload at every hop (request body model, base64 string, encoded
 image, decoded ImageInput and its pixel array, GenerateRequest) and each must be collected
 while the response is still streaming: on the plain path, with n > 1, when the client
-disconnects, when the engine fails, and on errors before the handoff. The app-level tests
-also check with tracemalloc that no large block allocated for the request survives.
+disconnects, when the engine fails, and on errors before the handoff, by reference counting
+alone (the garbage collector is off). The app-level tests also check with tracemalloc that
+no large block allocated for the request survives.
 """
 
 from __future__ import annotations
@@ -48,12 +49,22 @@ def describe_referrers(obj) -> str:
     return "; ".join(lines)
 
 
+@pytest.fixture(autouse=True)
+def no_garbage_collector():
+    """Payloads must die by reference counting, the moment their last holder lets go: a
+    reference cycle (a stored exception whose traceback holds the frame that stored it, say)
+    keeps them until a full collection, which under load comes minutes and gigabytes later.
+    The collector stays off while these tests run so that such a cycle fails them."""
+    gc.disable()
+    yield
+    gc.enable()
+
+
 def wait_collected(refs, timeout: float = 3.0) -> None:
-    """gc until every weakref is dead; pyzmq drops zero-copy frames from its own thread
+    """Wait until every weakref is dead; pyzmq drops zero-copy frames from its own thread
     once they are sent, so allow a short delay."""
     deadline = time.monotonic() + timeout
     while True:
-        gc.collect()
         alive = [(name, r()) for name, r in refs if r() is not None]
         if not alive:
             return
@@ -70,7 +81,6 @@ async def wait_collected_async(refs, timeout: float = 3.0) -> None:
     handle references the future that woke this coroutine until it yields)."""
     deadline = time.monotonic() + timeout
     while True:
-        gc.collect()
         if all(r() is None for _, r in refs):
             return
         if time.monotonic() > deadline:
@@ -280,7 +290,6 @@ def test_streaming_request_holds_no_payload_after_handoff(start_app, engine_doub
         refs = recorded + loader.refs
         assert len([r for r in refs if r[0] == "pixels"]) == 2  # once per image, whatever n is
         wait_collected(refs)
-        gc.collect()
         big = _big_blocks(tracemalloc.take_snapshot())
         assert big == [], [str(t.traceback) for t in big]
         assert server.app.state.admission.in_flight_bytes == 0

@@ -16,9 +16,9 @@ _kept: list = []  # what the leaking layer never lets go of
 _submit = EngineClient.submit
 
 
-def _leaky_submit(self, request):
+def _leaky_submit(self, request, *args, **kwargs):
     _kept.append(request)  # a wrapper that logs or retries by keeping its argument
-    return _submit(self, request)
+    return _submit(self, request, *args, **kwargs)
 
 
 EngineClient.submit = _leaky_submit
