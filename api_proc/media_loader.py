@@ -79,6 +79,11 @@ class EncodedImage:
     has_alpha: bool
     grid_thw: tuple[int, int, int]
     resized_hw: tuple[int, int]
+    nbytes: int = 0  # of the encoded data, kept after take()
+
+    def __post_init__(self) -> None:
+        if self.data is not None and not self.nbytes:
+            self.nbytes = len(self.data)
 
     def take(self) -> bytes:
         data, self.data = self.data, None
@@ -94,16 +99,20 @@ class EncodedImage:
     @property
     def need_bytes(self) -> int:
         """Peak bytes while this image is decoded and resized, counted before decoding for
-        admission. PIL keeps 1, 2 or 4 bytes a pixel (RGB as 4); resize_image makes an RGB
-        copy (three more images when transparency is composited on white), then the resized
-        PIL image and its uint8 array."""
+        admission: the encoded bytes (alive until the job ends), the decoded image (PIL
+        keeps 1, 2 or 4 bytes a pixel, RGB as 4), an RGB copy unless it is RGB already (three
+        more images when transparency is composited on white), a transposed copy for an
+        EXIF orientation, then the resized PIL image and its uint8 array."""
         pixels = self.width * self.height
-        size = pixels * (_pil_pixel_size(self.mode) + 4)
+        size = pixels * _pil_pixel_size(self.mode)
+        if self.mode != "RGB" or self.has_alpha:
+            size += pixels * 4
         if self.has_alpha:
             size += pixels * 12
         if self.orientation != 1:
             size += pixels * 4  # the transposed copy
-        return size + self.resized_hw[0] * self.resized_hw[1] * 4 + self.resized_bytes
+        resized = self.resized_hw[0] * self.resized_hw[1] * 4 + self.resized_bytes
+        return self.nbytes + size + resized
 
 
 def _pil_pixel_size(mode: str) -> int:

@@ -12,7 +12,7 @@ from PIL import Image, ImageFile
 import api_proc.media_loader as ml
 from api_proc.errors import BadRequestError, PayloadTooLargeError
 from api_proc.media_loader import MediaLoader, MediaRef, is_public_address
-from shared.image_resize import resize_image
+from shared.image_resize import resize_image, to_rgb
 from tests.api_proc.conftest import data_url, encode_image
 
 
@@ -60,6 +60,29 @@ async def test_exif_orientation_is_applied(loader_factory):
 async def test_other_modes_become_rgb(loader_factory, mode):
     _, image = await load(loader_factory(), data_url(encode_image(64, 64, mode=mode)))
     assert image.pixels.shape[2] == 3
+
+
+@pytest.mark.parametrize("mode, decoded_per_pixel", [("RGB", 4), ("L", 1 + 4)])
+async def test_admission_counts_the_encoded_bytes_and_only_real_copies(loader_factory, mode,
+                                                                       decoded_per_pixel):
+    # An RGB image is resized as it is (no RGB copy); other modes are converted first. The
+    # encoded bytes live until the decode job ends, so they are part of what it needs.
+    raw = encode_image(300, 200, mode=mode)
+    encoded = await loader_factory().fetch(MediaRef(data_url(raw)))
+    rh, rw = encoded.resized_hw
+    assert encoded.mode == mode and encoded.nbytes == len(raw)
+    assert encoded.need_bytes == len(raw) + 300 * 200 * decoded_per_pixel + rh * rw * (4 + 3)
+    assert encoded.take() == raw and encoded.nbytes == len(raw)  # still counted once taken
+
+
+def test_an_rgb_image_is_not_copied_to_become_rgb():
+    rgb = Image.new("RGB", (8, 8), (1, 2, 3))
+    assert to_rgb(rgb) is rgb
+    gray = Image.new("L", (8, 8), 7)
+    assert to_rgb(gray).mode == "RGB"
+    with_transparency = Image.new("RGB", (8, 8), (1, 2, 3))
+    with_transparency.info["transparency"] = (1, 2, 3)
+    assert to_rgb(with_transparency).getpixel((0, 0)) == (255, 255, 255)  # over white
 
 
 @pytest.mark.parametrize("url, match", [
