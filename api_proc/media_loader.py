@@ -79,11 +79,7 @@ class EncodedImage:
     has_alpha: bool
     grid_thw: tuple[int, int, int]
     resized_hw: tuple[int, int]
-    nbytes: int = 0  # of the encoded data, kept after take()
-
-    def __post_init__(self) -> None:
-        if self.data is not None and not self.nbytes:
-            self.nbytes = len(self.data)
+    nbytes: int  # of the encoded data, still known after take()
 
     def take(self) -> bytes:
         data, self.data = self.data, None
@@ -218,7 +214,7 @@ def probe_image(data: bytes, max_pixels: int, cfg: ImageProcessorConfig) -> Enco
     p = cfg.patch_size
     return EncodedImage(data=data, format=fmt, mode=mode, width=width, height=height,
                         orientation=orientation, has_alpha=has_alpha, grid_thw=(1, rh // p, rw // p),
-                        resized_hw=(rh, rw))
+                        resized_hw=(rh, rw), nbytes=len(data))
 
 
 def _smart_resize(height: int, width: int, cfg: ImageProcessorConfig) -> tuple[int, int]:

@@ -43,7 +43,6 @@ StreamHandler = Callable[..., AsyncIterator[Any]]
 class _Call:
     peer: bytes
     call_id: int
-    args: list[Any] | None = None  # until the handler takes them (R1)
     task: asyncio.Task[None] | None = None
     credits: int = 0
     credit_waiter: asyncio.Future[None] | None = None
@@ -268,12 +267,15 @@ class RpcServer:
                 call_id, p.ERR_BUSY, "TooManyCalls",
                 f"peer has {len(peer.calls)} calls in flight (max {self._max_calls_per_peer})"))
             return
-        call = _Call(peer=peer_id, call_id=call_id, args=args, credits=window)
+        call = _Call(peer=peer_id, call_id=call_id, credits=window)
         peer.calls[call_id] = call
         assert self._loop is not None
-        args = env = None  # R1: only the call holds the arguments, until its handler runs
-        run = self._run_stream if is_stream else self._run_unary
-        call.task = self._loop.create_task(run(call, handler))
+        if is_stream:
+            coro = self._run_stream(call, handler, args)
+        else:
+            coro = self._run_unary(call, handler, args)
+        args = env = None  # R1: only the task holds the arguments
+        call.task = self._loop.create_task(coro)
         # A task cancelled before its first step never enters its try/finally.
         call.task.add_done_callback(lambda _, call=call: self._finish(call))
         if timeout is not None:
@@ -281,9 +283,8 @@ class RpcServer:
 
     # -- running calls -----------------------------------------------------------------------
 
-    async def _run_unary(self, call: _Call, fn: UnaryHandler) -> None:
+    async def _run_unary(self, call: _Call, fn: UnaryHandler, args: list[Any]) -> None:
         try:
-            args, call.args = call.args or [], None
             coro = fn(*args)
             args = None  # R1
             result = await coro
@@ -298,11 +299,10 @@ class RpcServer:
             self._finish(call)
         self._post_value(call, p.RESULT, result)
 
-    async def _run_stream(self, call: _Call, fn: StreamHandler) -> None:
+    async def _run_stream(self, call: _Call, fn: StreamHandler, args: list[Any]) -> None:
         loop = asyncio.get_running_loop()
         agen: Any = None
         try:
-            args, call.args = call.args or [], None
             agen = fn(*args)
             args = None  # R1: the generator's frame holds the arguments now
             if not hasattr(agen, "__anext__"):
@@ -356,10 +356,9 @@ class RpcServer:
 
     def _finish(self, call: _Call) -> None:
         # A task cancelled before its first step ends with a CancelledError whose traceback
-        # holds the task's frame, which holds `call`, which holds the task: a cycle only the
-        # garbage collector frees. The call lets go of its arguments and its task here, so
-        # nothing the caller sent waits for the collector (R1).
-        call.args = None
+        # holds the never-run frame, with the call's arguments, and `call`, which held the
+        # task: a cycle only the garbage collector would free. Letting go of the task here
+        # breaks it, so the arguments die with the task (R1).
         call.task = None
         if call.deadline is not None:
             call.deadline.cancel()

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def no_garbage_collector():
+    """Payloads must die by reference counting, the moment their last holder lets go: a
+    reference cycle (a stored exception whose traceback holds the frame that stored it, say)
+    keeps them until a full collection, which under load comes minutes and gigabytes later.
+    Lifetime tests run with the collector off so that such a cycle fails them (R1, R5)."""
+    gc.disable()
+    yield
+    gc.enable()
 
 
 @pytest.fixture(scope="session")

@@ -31,6 +31,8 @@ from shared.messages import WIRE_TYPES, GenerateRequest, ImageInput
 from shared.sampling_params import SamplingParams
 from tests.api_proc.conftest import data_url, encode_image
 
+pytestmark = pytest.mark.usefixtures("no_garbage_collector")
+
 
 class WeakStr(str):
     """A str that can be weak-referenced (plain str cannot)."""
@@ -47,17 +49,6 @@ def describe_referrers(obj) -> str:
         else:
             lines.append(kind)
     return "; ".join(lines)
-
-
-@pytest.fixture(autouse=True)
-def no_garbage_collector():
-    """Payloads must die by reference counting, the moment their last holder lets go: a
-    reference cycle (a stored exception whose traceback holds the frame that stored it, say)
-    keeps them until a full collection, which under load comes minutes and gigabytes later.
-    The collector stays off while these tests run so that such a cycle fails them."""
-    gc.disable()
-    yield
-    gc.enable()
 
 
 def wait_collected(refs, timeout: float = 3.0) -> None:

@@ -4,7 +4,6 @@ I/O thread or the busy loop keeps an image after the prefill that consumed it (R
 from __future__ import annotations
 
 import asyncio
-import gc
 import threading
 import weakref
 
@@ -49,6 +48,7 @@ def _image_request(cfg, request_id: str, side: int, max_tokens: int) -> Generate
                                                           ignore_eos=True), [ImageInput(pixels, grid)])
 
 
+@pytest.mark.usefixtures("no_garbage_collector")
 def test_images_are_gone_once_decoding(engine, tiny_model_path):
     process, arrived = engine
     cfg = load_model_config(tiny_model_path)
@@ -69,11 +69,7 @@ def test_images_are_gone_once_decoding(engine, tiny_model_path):
         await client.close()
         return firsts, alive, stats, rest
 
-    gc.disable()
-    try:
-        firsts, alive, stats, rest = asyncio.run(run())
-    finally:
-        gc.enable()
+    firsts, alive, stats, rest = asyncio.run(run())
     assert len(arrived) == 4
     assert alive == [], "an image outlived the prefill that consumed it"
     assert stats.mm_bytes_held == 0 and stats.num_running == 4

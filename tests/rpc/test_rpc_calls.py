@@ -34,6 +34,8 @@ from rpc.sockets import SocketReader, make_socket
 from shared.messages import GenerateRequest, ImageInput, RequestOutput
 from shared.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("no_garbage_collector")
+
 
 async def wait_until(predicate: Any, timeout: float = 2.0) -> None:
     deadline = time.monotonic() + timeout
@@ -41,15 +43,6 @@ async def wait_until(predicate: Any, timeout: float = 2.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout} s")
         await asyncio.sleep(0.005)
-
-
-@pytest.fixture(autouse=True)
-def no_garbage_collector():
-    """Payloads must be freed by reference counting alone: with the collector off, a payload
-    kept by a reference cycle fails the R1 tests below instead of passing by luck."""
-    gc.disable()
-    yield
-    gc.enable()
 
 
 async def wait_collected(ref: Any, timeout: float = 2.0) -> None:
