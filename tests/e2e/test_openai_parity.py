@@ -91,7 +91,8 @@ def test_sdk_sync_and_async(server):
         async with AsyncClient(server.url) as client:
             again = await client.chat("Hello there", images=[np.zeros((40, 40, 3), np.uint8)],
                                       max_tokens=5, temperature=0)
-            deltas = [d async for d in client.stream_chat("Hello there", max_tokens=3)]
+            deltas = [d async for d in client.stream_chat("Hello there", max_tokens=3,
+                                                         temperature=0)]
             return again, deltas
 
     import asyncio
