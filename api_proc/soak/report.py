@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from api_proc.soak.sampler import Sample
-from api_proc.soak.summary import Summary
+from api_proc.soak.summary import ProcessSummary, Summary
 
 
 def _slug(role: str) -> str:
@@ -50,6 +50,11 @@ def write_json(path: str | Path, summary: Summary) -> None:
         Path(path).write_text(text + "\n")
 
 
+def _stderr(p: ProcessSummary) -> str:
+    se = p.slope_stderr_mb_per_1k
+    return "" if se is None else f" ± {se:.2f}"
+
+
 def write_plot(path: Path, samples: list[Sample], summary: Summary) -> None:
     """RSS of each process over requests finished (fit lines dashed, warm-up dotted, the API's
     idle RSS plus the in-flight budget as a line), and the in-flight multimodal MB below."""
@@ -78,7 +83,7 @@ def write_plot(path: Path, samples: list[Sample], summary: Summary) -> None:
             k = p.slope_mb_per_1k / 1000.0
             ax.plot([x0, x1], [mean_y + k * (x0 - mean_x), mean_y + k * (x1 - mean_x)],
                     linestyle="--", color=line.get_color(), linewidth=1,
-                    label=f"{p.role} fit {p.slope_mb_per_1k:+.2f} MB/1k")
+                    label=f"{p.role} fit {p.slope_mb_per_1k:+.2f}{_stderr(p)} MB/1k")
     api = next((p for p in summary.processes if p.role == "api"),
                summary.processes[0] if summary.processes else None)
     if summary.budget_mb is not None and api is not None and api.idle_mb is not None:

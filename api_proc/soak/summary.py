@@ -6,6 +6,8 @@ import math
 import statistics
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
 from api_proc.soak.load import LoadStats
 from api_proc.soak.sampler import Sample
 
@@ -21,6 +23,7 @@ class ProcessSummary:
     peak_mb: float | None
     final_mb: float | None
     slope_mb_per_1k: float | None  # None: too few samples after the warm-up to fit
+    slope_stderr_mb_per_1k: float | None = None  # the slope's standard error (see slope_stderr)
     peak_uss_mb: float | None = None
     exited: bool = False
     passed: bool = True
@@ -73,6 +76,33 @@ def fit_slope(requests: list[float], rss_mb: list[float]) -> float | None:
     return sxy / sxx * 1000.0
 
 
+def slope_stderr(requests: list[float], rss_mb: list[float]) -> float | None:
+    """Standard error of `fit_slope`'s slope, MB per 1,000 requests; None with fewer than
+    four samples or no spread in requests.
+
+    RSS sampled faster than the per-request working set turns over is not independent
+    noise around the line, so the least-squares error is widened by sqrt((1 + r) / (1 - r)),
+    r the lag-1 autocorrelation of the residuals (an AR(1) allowance; r < 0 counts as 0).
+    A slope within about two of these of zero is not evidence of growth."""
+    x = np.asarray(requests, dtype=float)
+    y = np.asarray(rss_mb, dtype=float)
+    if x.shape != y.shape:
+        raise ValueError("requests and rss_mb differ in length")
+    if x.size < 4:
+        return None
+    dx = x - x.mean()
+    sxx = float(dx @ dx)
+    if sxx == 0:
+        return None
+    dy = y - y.mean()
+    residuals = dy - (float(dx @ dy) / sxx) * dx
+    ss = float(residuals @ residuals)
+    if ss == 0:
+        return 0.0
+    r = min(max(float(residuals[1:] @ residuals[:-1]) / ss, 0.0), 0.99)
+    return math.sqrt(ss / (x.size - 2) / sxx * (1 + r) / (1 - r)) * 1000.0
+
+
 def warmup_requests(total_requests: int, warmup_share: float) -> int:
     return math.ceil(total_requests * warmup_share)
 
@@ -86,9 +116,10 @@ def summarize_process(role: str, pid: int, samples: list[Sample], warmup: int,
     fit = [(s.requests, v) for s, v in values if s.phase == "load" and s.requests >= warmup]
     final = [v for s, v in values if s.phase == "final"] or [v for _, v in values[-1:]]
     uss = [s.uss_mb[role] for s in samples if role in s.uss_mb]
-    slope = None
+    slope = stderr = None
     if len(fit) >= MIN_FIT_SAMPLES:
-        slope = fit_slope([float(x) for x, _ in fit], [y for _, y in fit])
+        xs, ys = [float(x) for x, _ in fit], [y for _, y in fit]
+        slope, stderr = fit_slope(xs, ys), slope_stderr(xs, ys)
     return ProcessSummary(
         role=role,
         pid=pid,
@@ -97,6 +128,7 @@ def summarize_process(role: str, pid: int, samples: list[Sample], warmup: int,
         peak_mb=max(v for _, v in values) if values else None,
         final_mb=final[-1] if final else None,
         slope_mb_per_1k=slope,
+        slope_stderr_mb_per_1k=stderr,
         peak_uss_mb=max(uss) if uss else None,
         exited=exited,
     )
@@ -167,13 +199,15 @@ def _mb(value: float | None) -> str:
 
 
 def format_table(summary: Summary) -> str:
-    header = ("process", "pid", "idle MB", "warm MB", "peak MB", "final MB", "MB/1k req", "result")
+    header = ("process", "pid", "idle MB", "warm MB", "peak MB", "final MB", "MB/1k req",
+              "± se", "result")
     rows = [header]
     for p in summary.processes:
         slope = "-" if p.slope_mb_per_1k is None else f"{p.slope_mb_per_1k:+.2f}"
+        stderr = "-" if p.slope_stderr_mb_per_1k is None else f"{p.slope_stderr_mb_per_1k:.2f}"
         result = "ok" if p.passed else ("EXITED" if p.exited else "FAIL")
         rows.append((p.role, str(p.pid), _mb(p.idle_mb), _mb(p.warm_mb), _mb(p.peak_mb),
-                     _mb(p.final_mb), slope, result))
+                     _mb(p.final_mb), slope, stderr, result))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
                        for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
@@ -185,7 +219,8 @@ def format_table(summary: Summary) -> str:
                  f"rejected {s.rejected}), errors {s.errors}; "
                  f"{s.requests_per_s:.2f} req/s over {s.duration_s:.1f} s")
     lines.append(f"slope fitted after the first {s.warmup_requests} requests; "
-                 f"limit {s.max_slope:g} MB per 1,000 requests")
+                 f"limit {s.max_slope:g} MB per 1,000 requests; se: the slope's standard "
+                 "error (sampling noise)")
     if s.mm_inflight_peak_mb is not None or s.budget_mb is not None:
         budget = "" if s.budget_mb is None else f" (budget {s.budget_mb:.1f} MB)"
         lines.append(f"in-flight multimodal peak {_mb(s.mm_inflight_peak_mb)} MB{budget}")

@@ -38,7 +38,7 @@ def test_json_round_trips(tmp_path):
     data = json.loads((tmp_path / "s.json").read_text())
     assert data["passed"] is False  # the api grows 10 MB per 1,000 requests
     assert [p["role"] for p in data["processes"]] == ["api", "engine 0"]
-    for key in ("idle_mb", "warm_mb", "peak_mb", "final_mb", "slope_mb_per_1k", "pid"):
+    for key in ("idle_mb", "warm_mb", "peak_mb", "final_mb", "slope_mb_per_1k", "slope_stderr_mb_per_1k", "pid"):
         assert key in data["processes"][0]
     for key in ("requests", "errors", "disconnects", "max_slope", "duration_s",
                 "requests_per_s", "config"):

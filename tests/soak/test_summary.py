@@ -93,3 +93,17 @@ def test_table_lists_every_process_and_the_verdict():
                for line in lines)
     assert "errors 2" in table and "budget 64.0 MB" in table
     assert lines[-1].startswith("FAILED")
+
+
+def test_slope_comes_with_its_standard_error():
+    def noisy(x):
+        return 100 + (7 if x % 100 else -7)  # flat on average, swinging 14 MB
+
+    summary = summarize(make_samples(api=noisy), PROCS, stats(), 2.0, 0.2)
+    api = summary.process("api")
+    assert api.slope_stderr_mb_per_1k > 0
+    assert summary.process("engine 0").slope_stderr_mb_per_1k == pytest.approx(0.0)
+    table = format_table(summary)
+    assert "± se" in table.splitlines()[0]
+    api_line = next(line for line in table.splitlines() if line.startswith("api"))
+    assert f"{api.slope_stderr_mb_per_1k:.2f}" in api_line
