@@ -59,21 +59,24 @@ class Summary:
         return next(p for p in self.processes if p.role == role)
 
 
+def _centred(requests: list[float], rss_mb: list[float]) -> tuple[np.ndarray, np.ndarray, float]:
+    """(requests - mean, RSS - mean, sum of squared request deviations)."""
+    x = np.asarray(requests, dtype=float)
+    y = np.asarray(rss_mb, dtype=float)
+    if x.shape != y.shape:
+        raise ValueError("requests and rss_mb differ in length")
+    dx = x - x.mean() if x.size else x
+    dy = y - y.mean() if y.size else y
+    return dx, dy, float(dx @ dx)
+
+
 def fit_slope(requests: list[float], rss_mb: list[float]) -> float | None:
     """Least-squares slope of RSS (MB) over requests finished, in MB per 1,000 requests;
     None with fewer than two distinct request counts."""
-    if len(requests) != len(rss_mb):
-        raise ValueError("requests and rss_mb differ in length")
-    n = len(requests)
-    if n < 2:
-        return None
-    mean_x = sum(requests) / n
-    mean_y = sum(rss_mb) / n
-    sxx = sum((x - mean_x) ** 2 for x in requests)
+    dx, dy, sxx = _centred(requests, rss_mb)
     if sxx == 0:
         return None
-    sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(requests, rss_mb, strict=True))
-    return sxy / sxx * 1000.0
+    return float(dx @ dy) / sxx * 1000.0
 
 
 def slope_stderr(requests: list[float], rss_mb: list[float]) -> float | None:
@@ -84,23 +87,15 @@ def slope_stderr(requests: list[float], rss_mb: list[float]) -> float | None:
     noise around the line, so the least-squares error is widened by sqrt((1 + r) / (1 - r)),
     r the lag-1 autocorrelation of the residuals (an AR(1) allowance; r < 0 counts as 0).
     A slope within about two of these of zero is not evidence of growth."""
-    x = np.asarray(requests, dtype=float)
-    y = np.asarray(rss_mb, dtype=float)
-    if x.shape != y.shape:
-        raise ValueError("requests and rss_mb differ in length")
-    if x.size < 4:
+    dx, dy, sxx = _centred(requests, rss_mb)
+    if dx.size < 4 or sxx == 0:
         return None
-    dx = x - x.mean()
-    sxx = float(dx @ dx)
-    if sxx == 0:
-        return None
-    dy = y - y.mean()
     residuals = dy - (float(dx @ dy) / sxx) * dx
     ss = float(residuals @ residuals)
     if ss == 0:
         return 0.0
     r = min(max(float(residuals[1:] @ residuals[:-1]) / ss, 0.0), 0.99)
-    return math.sqrt(ss / (x.size - 2) / sxx * (1 + r) / (1 - r)) * 1000.0
+    return math.sqrt(ss / (dx.size - 2) / sxx * (1 + r) / (1 - r)) * 1000.0
 
 
 def warmup_requests(total_requests: int, warmup_share: float) -> int:
