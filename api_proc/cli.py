@@ -1,5 +1,6 @@
 """The `flatserve` command: `serve` (engines + API server), `engine` (one engine alone),
-`soak` (RSS soak test), `make-model` (the tiny default checkpoint)."""
+`soak` (RSS soak test), `bench` (serving benchmark), `make-model` (the tiny default
+checkpoint)."""
 
 from __future__ import annotations
 
@@ -73,24 +74,35 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     build_serve_parser(sub.add_parser("serve", help="spawn engines and serve the OpenAI-compatible API"))
     sub.add_parser("soak", help="RSS soak test (options: flatserve soak --help)", add_help=False)
+    sub.add_parser("bench", help="serving benchmark (options: flatserve bench --help)",
+                   add_help=False)
     engine = sub.add_parser("engine", help="run one engine process serving RPC on --address")
     _add_engine_config_args(engine, [f.name for f in fields(EngineConfig) if f.name != "log_level"])
     engine.add_argument("--log-level", default="info")
-    make = sub.add_parser("make-model", help="write the tiny default checkpoint and print its folder")
+    from shared.tiny_checkpoint import PRESETS
+
+    make = sub.add_parser("make-model", help="write a random-weight checkpoint and print its folder")
+    make.add_argument("--preset", choices=list(PRESETS), default="tiny",
+                      help="tiny: the default model; 3b, 7b: Qwen2.5-VL-3B/7B shapes, bf16")
     make.add_argument("--out", help="write a fresh copy into this folder instead of the cache")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["soak"]:
         from api_proc.soak import main as soak_main
 
         return soak_main(argv[1:], prog="flatserve soak")
+    if argv[:1] == ["bench"]:
+        from api_proc.bench import main as bench_main
+
+        return bench_main(argv[1:], prog="flatserve bench")
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve(args)
     if args.command == "engine":
         return run_engine(args)
-    from shared.tiny_checkpoint import ensure_tiny_checkpoint, write_tiny_checkpoint
+    from shared.tiny_checkpoint import ensure_checkpoint, write_checkpoint
 
-    print(write_tiny_checkpoint(args.out) if args.out else ensure_tiny_checkpoint())
+    preset = PRESETS[args.preset]
+    print(write_checkpoint(args.out, preset) if args.out else ensure_checkpoint(preset))
     return 0
 
 

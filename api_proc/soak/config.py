@@ -103,11 +103,18 @@ class SoakConfig:
         return Path(self.out or time.strftime("out/soak-%Y%m%d-%H%M%S"))
 
     def start_command(self, port: int | None) -> list[str]:
-        base = list(self.server_command) or [sys.executable, "-m", "api_proc.cli", "serve"]
-        return [*base, *([] if port is None else ["--port", str(port)]), *self.server_args]
+        return serve_command(self.server_command, self.server_args, port)
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def serve_command(server_command: tuple[str, ...], server_args: tuple[str, ...],
+                  port: int | None) -> list[str]:
+    """The command that starts a server: `server_command` (default: flatserve serve), then
+    '--port N' unless `port` is None, then `server_args`."""
+    base = list(server_command) or [sys.executable, "-m", "api_proc.cli", "serve"]
+    return [*base, *([] if port is None else ["--port", str(port)]), *server_args]
 
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)

@@ -9,11 +9,12 @@ import subprocess
 import time
 from collections import deque
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 import psutil
 
-from api_proc.soak.config import SoakConfig, passthrough_value
+from api_proc.soak.config import passthrough_value
 
 
 class ServerStartError(RuntimeError):
@@ -34,11 +35,22 @@ def log_tail(path: Path, lines: int = 40) -> str:
         return ""
 
 
+class ServerSettings(Protocol):
+    """What ManagedServer reads off a run's config (SoakConfig, BenchConfig)."""
+
+    server_args: tuple[str, ...]
+    server_env: dict[str, str] | None
+    server_timeout_s: float
+    stop_timeout_s: float
+
+    def start_command(self, port: int | None) -> list[str]: ...
+
+
 class ManagedServer:
     """`with ManagedServer(config, log_path) as server:` starts the server and waits until it
     is healthy; leaving the block stops it (SIGINT, then SIGKILL to its whole process group)."""
 
-    def __init__(self, config: SoakConfig, log_path: Path):
+    def __init__(self, config: ServerSettings, log_path: Path):
         self.config = config
         self.log_path = log_path
         port = passthrough_value(config.server_args, "--port")

@@ -1,0 +1,78 @@
+"""Benchmark outputs: the printed table and the JSON file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from api_proc.bench.stats import BenchResult
+
+COLUMNS = ("mean", "p50", "p90", "p99", "max")
+NAME_WIDTH = 22
+
+
+def describe_load(settings: dict) -> str:
+    s = settings
+    workload = f"{s['workload']} workload"
+    if s["workload"] != "image":
+        length = f"prompt {s['prompt_len']} words"
+        if s["prompt_len_range"]:
+            length += f" ±{s['prompt_len_range']:.0%}"
+        workload += ", " + length
+    if s["workload"] != "text":
+        share = f"{s['image_share']:.0%} " if s["workload"] == "mixed" else ""
+        workload += (f", {share}with {s['images_per_request']}x "
+                     f"{s['image_size']}px image")
+    output = f"max_tokens {s['output_len']}"
+    if s["output_len_range"]:
+        output += f" ±{s['output_len_range']:.0%}"
+    if s["request_rate"] is None:
+        loop = f"closed loop, concurrency {s['concurrency']}"
+    else:
+        cap = "no cap" if s["concurrency"] is None else f"at most {s['concurrency']} in flight"
+        loop = f"Poisson arrivals at {s['request_rate']:g} req/s, {cap}"
+    return f"{workload}, {output}; {loop}"
+
+
+def _row(name: str, stats: dict) -> str:
+    cells = "".join("       n/a" if stats[c] is None else f"{stats[c]:10.2f}" for c in COLUMNS)
+    return f"{name:<{NAME_WIDTH}}{cells}"
+
+
+def format_table(result: BenchResult) -> str:
+    settings = result.settings
+    title = "flatserve bench" + (f": {result.label}" if result.label else "")
+    health = f"health {result.health_path}"
+    lines = [
+        f"{'=' * 8} {title} {'=' * 8}",
+        f"model {settings.get('model')!r} at {settings.get('base_url')}",
+        describe_load(settings),
+        f"{'(ms)':<{NAME_WIDTH}}" + "".join(f"{c:>10}" for c in COLUMNS),
+        _row("TTFT", result.ttft_ms),
+        _row("TPOT", result.tpot_ms),
+        _row("ITL", result.itl_ms),
+        _row("e2e latency", result.e2e_ms),
+        _row(health, result.health_ms),
+    ]
+    if result.health_path != "/health":
+        lines.append(f"  (the server has no /health: timed GET {result.health_path} instead)")
+    if result.health_errors:
+        lines.append(f"  ({result.health_errors} health probes failed)")
+    lines += [
+        f"{'requests/s':<{NAME_WIDTH}}{result.requests_per_s:10.2f}",
+        f"{'output tokens/s':<{NAME_WIDTH}}{result.output_tokens_per_s:10.2f}",
+    ]
+    if result.total_tokens_per_s is not None:
+        lines.append(f"{'total tokens/s':<{NAME_WIDTH}}{result.total_tokens_per_s:10.2f}")
+    total = result.completed + result.errors
+    lines.append(f"{'completed':<{NAME_WIDTH}}{result.completed:10d} of {total} in "
+                 f"{result.duration_s:.2f} s, {result.output_tokens} output tokens")
+    kinds = ", ".join(f"{kind}: {n}" for kind, n in sorted(result.error_kinds.items()))
+    lines.append(f"{'errors':<{NAME_WIDTH}}{result.errors:10d}" + (f"  ({kinds})" if kinds else ""))
+    if result.first_error:
+        lines.append(f"{'first error':<{NAME_WIDTH}}{result.first_error}")
+    return "\n".join(lines)
+
+
+def write_json(path: str | Path, result: BenchResult) -> None:
+    Path(path).write_text(json.dumps(result.to_dict(), indent=2) + "\n")

@@ -1,0 +1,118 @@
+"""One streamed chat request, timed chunk by chunk from its SSE stream."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+ERROR_HEAD = 300  # characters of an error body kept
+
+
+@dataclass
+class RequestResult:
+    sent_at: float  # time.perf_counter()
+    ended_at: float = 0.0
+    ok: bool = False
+    ttft_s: float | None = None  # None: no content came
+    itl_s: list[float] = field(default_factory=list)  # gaps between content chunks
+    content_chunks: int = 0
+    completion_tokens: int | None = None  # from usage, when the server sends it
+    prompt_tokens: int | None = None
+    error_kind: str | None = None
+    error: str | None = None
+
+    @property
+    def e2e_s(self) -> float:
+        return self.ended_at - self.sent_at
+
+    @property
+    def output_tokens(self) -> int:
+        return self.content_chunks if self.completion_tokens is None else self.completion_tokens
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.ttft_s is None or self.output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+    def fail(self, kind: str, message: str) -> None:
+        self.error_kind, self.error = kind, message[:ERROR_HEAD]
+
+
+class _StreamError(Exception):
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+async def send_request(client: httpx.AsyncClient, url: str, body: bytes) -> RequestResult:
+    """POST `body` to `url` and read its stream to [DONE]; failures are recorded in the result,
+    never raised."""
+    result = RequestResult(sent_at=time.perf_counter())
+    try:
+        async with client.stream("POST", url, content=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                raise _StreamError(f"HTTP {response.status_code}",
+                                   f"HTTP {response.status_code}: {text}")
+            await _read_stream(response, result)
+        result.ok = True
+    except _StreamError as err:
+        result.fail(err.kind, str(err))
+    except httpx.TimeoutException as err:
+        result.fail("timeout", repr(err))
+    except httpx.TransportError as err:
+        result.fail("connection", repr(err))
+    except httpx.HTTPError as err:
+        result.fail(type(err).__name__, repr(err))
+    result.ended_at = time.perf_counter()
+    return result
+
+
+async def _read_stream(response: httpx.Response, result: RequestResult) -> None:
+    last_content_at: float | None = None
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue  # blank separators, comments, event/id fields
+        now = time.perf_counter()
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        chunk = _parse_chunk(data)
+        if usage := chunk.get("usage"):
+            result.completion_tokens = usage.get("completion_tokens")
+            result.prompt_tokens = usage.get("prompt_tokens")
+        if not _has_content(chunk):
+            continue
+        if last_content_at is None:
+            result.ttft_s = now - result.sent_at
+        else:
+            result.itl_s.append(now - last_content_at)
+        last_content_at = now
+        result.content_chunks += 1
+    raise _StreamError("incomplete stream",
+                       f"the stream ended after {result.content_chunks} content chunks "
+                       "without [DONE]")
+
+
+def _parse_chunk(data: str) -> dict:
+    try:
+        chunk = json.loads(data)
+    except ValueError:
+        raise _StreamError("malformed SSE", f"not JSON: {data!r}") from None
+    if not isinstance(chunk, dict):
+        raise _StreamError("malformed SSE", f"not an object: {data!r}")
+    if "error" in chunk:
+        raise _StreamError("stream error", json.dumps(chunk["error"]))
+    return chunk
+
+
+def _has_content(chunk: dict) -> bool:
+    for choice in chunk.get("choices") or ():
+        delta = choice.get("delta") or {}
+        if delta.get("content") or delta.get("reasoning_content"):
+            return True
+    return False

@@ -1,0 +1,145 @@
+"""One benchmark run end to end (`run_bench`) and the command line around it (`main`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+from collections.abc import Iterator
+
+import httpx
+
+from api_proc.bench.config import BenchConfig, parse_args
+from api_proc.bench.health import HealthPoller, ServerUnreachable, health_path
+from api_proc.bench.load import Load
+from api_proc.bench.report import format_table, write_json
+from api_proc.bench.request import RequestResult
+from api_proc.bench.stats import BenchResult, summarize
+from api_proc.bench.workload import build_bodies
+from api_proc.soak.config import passthrough_value
+from api_proc.soak.server import ManagedServer, ServerStartError
+
+
+class BenchError(RuntimeError):
+    """The run could not be set up (server unreachable, no model...)."""
+
+
+def _log(message: str) -> None:
+    print(f"bench: {message}", file=sys.stderr, flush=True)
+
+
+def first_model(base_url: str, headers: dict[str, str]) -> str:
+    try:
+        response = httpx.get(base_url + "/v1/models", headers=headers, timeout=10.0)
+        response.raise_for_status()
+        return response.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as err:
+        raise BenchError(f"could not read a model id from {base_url}/v1/models ({err!r}); "
+                         "pass --model") from None
+
+
+class _ProgressBar:
+    """`with _ProgressBar(config):` a tqdm bar over the measured requests finished, with the
+    errors so far; made on entry, so that its clock starts with the measured run."""
+
+    def __init__(self, config: BenchConfig):
+        self.config = config
+        self.errors = 0
+
+    def __enter__(self) -> _ProgressBar:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=self.config.num_requests, unit="req", desc="bench",
+                        file=sys.stderr, disable=not self.config.progress, dynamic_ncols=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.close()
+
+    def update(self, result: RequestResult) -> None:
+        if not result.ok:
+            self.errors += 1
+            self.bar.set_postfix(errors=self.errors, refresh=False)
+        self.bar.update(1)
+
+
+@contextlib.contextmanager
+def _measuring(progress: _ProgressBar, poller: HealthPoller) -> Iterator[None]:
+    with progress, poller:
+        yield
+
+
+def _report_warmup(results: list[RequestResult]) -> None:
+    failed = [r for r in results if not r.ok]
+    if failed:
+        _log(f"{len(failed)} of {len(results)} warm-up requests failed; first: {failed[0].error}")
+
+
+def _start_server(config: BenchConfig, stack: contextlib.ExitStack) -> tuple[str, dict]:
+    """Start flatserve (or --server-command) and return its URL and the headers it needs."""
+    server = ManagedServer(config, config.server_log_path())
+    _log(f"starting {' '.join(server.command)} (log: {server.log_path})")
+    stack.enter_context(server)
+    key = config.api_key or passthrough_value(config.server_args, "--api-key")
+    return server.url, ({"Authorization": f"Bearer {key}"} if key else {})
+
+
+def run_bench(config: BenchConfig) -> BenchResult:
+    """Start (or attach to) the server, send the warm-up and then the measured requests while
+    polling its health, stop it, and return the figures. Raises ServerStartError or BenchError
+    when the run cannot be set up. Not callable from inside a running event loop."""
+    with contextlib.ExitStack() as stack:
+        if config.base_url is None:
+            base_url, headers = _start_server(config, stack)
+        else:
+            base_url = config.base_url
+            headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        try:
+            path = health_path(base_url, headers)
+        except ServerUnreachable as err:
+            raise BenchError(str(err)) from None
+        model = config.model or first_model(base_url, headers)
+        _log(f"model {model!r} at {base_url}; timing GET {path} every "
+             f"{config.health_interval_s:g} s during the run")
+        bodies = build_bodies(config, model, range(config.num_requests + config.warmup_requests))
+        # the warm-up takes the last indices: its images differ from the measured ones
+        measured, warmup = bodies[:config.num_requests], bodies[config.num_requests:]
+        progress = _ProgressBar(config)
+        load = Load(config, base_url + "/v1/chat/completions", headers, on_finish=progress.update)
+        poller = HealthPoller(base_url + path, config.health_interval_s, headers)
+        warm, results = asyncio.run(load.run(warmup, measured, _measuring(progress, poller)))
+    _report_warmup(warm)
+    settings = {"base_url": base_url, "model": model, **config.settings()}
+    return summarize(results, poller.latencies_s, path, poller.errors, config.label, settings)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """The bench command line: 0 the run completed (errors are printed), 1 every request
+    failed, 2 could not run, 130 interrupted."""
+    try:
+        config = parse_args(sys.argv[1:] if argv is None else argv, prog)
+    except SystemExit as exit_:  # --help, or bad arguments (already reported)
+        return exit_.code if isinstance(exit_.code, int) else 2
+    # SIGTERM stops the run as Ctrl-C does, and so stops the server it started (which runs in
+    # its own session, so no signal reaches it otherwise).
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        result = run_bench(config)
+    except (ServerStartError, BenchError) as err:
+        _log(str(err))
+        return 2
+    except KeyboardInterrupt:
+        _log("interrupted")
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(format_table(result))
+    if config.json_path:
+        write_json(config.json_path, result)
+        print(f"wrote {config.json_path}")
+    return 0 if result.completed else 1

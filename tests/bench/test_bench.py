@@ -1,0 +1,240 @@
+"""flatserve bench against a streaming OpenAI-like server on a real socket (in a thread of the
+test process, so each test can read what it saw) and, once, against flatserve itself."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from api_proc.bench import main, parse_args
+from api_proc.bench.config import DEFAULT_CONCURRENCY
+from api_proc.bench.schedule import arrival_offsets
+from api_proc.bench.workload import build_bodies
+
+JSON_KEYS = {"label", "requests_per_s", "output_tokens_per_s", "ttft_ms", "tpot_ms", "itl_ms",
+             "e2e_ms", "health_ms", "errors", "error_kinds", "first_error", "completed",
+             "duration_s", "settings"}
+
+
+class FakeServer:
+    """Streams max_tokens one-character chunks per chat request (and usage when asked for);
+    records the most chat requests in flight at once and the bodies it got."""
+
+    def __init__(self, token_delay: float = 0.005, fail_every: int = 0, usage: bool = True,
+                 health: bool = True):
+        self.token_delay = token_delay
+        self.fail_every = fail_every
+        self.usage = usage
+        self.health = health
+        self.bodies: list[dict] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+
+    def chunk(self, delta: dict, finish: str | None = None, usage: dict | None = None) -> str:
+        choices = [{"index": 0, "delta": delta, "finish_reason": finish}] if usage is None else []
+        data = {"object": "chat.completion.chunk", "model": "fake", "choices": choices}
+        return f"data: {json.dumps(data | ({'usage': usage} if usage else {}))}\n\n"
+
+    async def events(self, body: dict):
+        max_tokens = body["max_tokens"]
+        yield self.chunk({"role": "assistant"})
+        for _ in range(max_tokens):
+            await asyncio.sleep(self.token_delay)
+            yield self.chunk({"content": "x"})
+        yield self.chunk({}, "length")
+        if self.usage and body.get("stream_options", {}).get("include_usage"):
+            yield self.chunk({}, usage={"prompt_tokens": 10, "completion_tokens": max_tokens})
+        # done before the client can see [DONE] and send its next request
+        self.in_flight -= 1
+        yield "data: [DONE]\n\n"
+
+    def app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.get("/health")
+        async def health():
+            return JSONResponse({}, status_code=200 if self.health else 404)
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": "fake", "object": "model"}]}
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request):
+            body = await request.json()
+            self.bodies.append(body)
+            if self.fail_every and len(self.bodies) % self.fail_every == 0:
+                return JSONResponse({"error": {"message": "injected failure"}}, status_code=500)
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            return StreamingResponse(self.events(body), media_type="text/event-stream")
+
+        return app
+
+
+@pytest.fixture
+def serve_fake():
+    """serve_fake(FakeServer(...)) -> its base URL; the server stops after the test."""
+    servers: list[tuple[uvicorn.Server, threading.Thread]] = []
+
+    def start(fake: FakeServer) -> str:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        server = uvicorn.Server(uvicorn.Config(fake.app(), log_level="warning", lifespan="off"))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        servers.append((server, thread))
+        deadline = time.monotonic() + 10
+        while not server.started:
+            assert time.monotonic() < deadline, "the fake server did not start"
+            time.sleep(0.01)
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+    yield start
+    for server, thread in servers:
+        server.should_exit = True
+        thread.join(5)
+
+
+def run_main(url: str, tmp_path, *args: str) -> tuple[int, dict | None]:
+    path = tmp_path / "bench.json"
+    code = main(["--base-url", url, "--json", str(path), "--no-progress", *args])
+    return code, json.loads(path.read_text()) if path.exists() else None
+
+
+def test_arrivals_are_poisson_at_the_rate():
+    offsets = arrival_offsets(20_001, rate=4.0, seed=1)
+    gaps = np.diff(offsets)
+    assert offsets[0] == 0.0 and len(offsets) == 20_001 and (gaps >= 0).all()
+    assert gaps.mean() == pytest.approx(0.25, rel=0.03)
+    assert gaps.std() == pytest.approx(0.25, rel=0.05)  # exponential: std == mean
+    assert np.array_equal(offsets, arrival_offsets(20_001, rate=4.0, seed=1))
+    assert not arrival_offsets(5, rate=float("inf"), seed=0).any()
+
+
+def test_config_defaults_and_passthrough():
+    closed = parse_args(["--", "--max-num-seqs", "8"])
+    assert closed.concurrency == DEFAULT_CONCURRENCY and closed.request_rate is None
+    assert closed.warmup_requests == min(DEFAULT_CONCURRENCY, 8)
+    assert closed.start_command(9) == [sys.executable, "-m", "api_proc.cli", "serve",
+                                       "--port", "9", "--max-num-seqs", "8"]
+    opened = parse_args(["--request-rate", "2", "--base-url", "http://h:1/"])
+    assert opened.concurrency is None and opened.base_url == "http://h:1"
+    assert parse_args(["--concurrency", "2"]).warmup_requests == 2
+    with pytest.raises(SystemExit):
+        parse_args(["--base-url", "http://h:1", "--", "--max-num-seqs", "8"])
+
+
+def test_bodies_are_deterministic_openai_and_unique():
+    config = parse_args(["--workload", "mixed", "--image-size", "32", "--image-share", "0.5",
+                         "--prompt-len", "20", "--prompt-len-range", "0.5",
+                         "--output-len", "10", "--output-len-range", "0.5", "--no-progress"])
+    bodies = [json.loads(b) for b in build_bodies(config, "m", range(40))]
+    assert bodies == [json.loads(b) for b in build_bodies(config, "m", range(40))]
+    images = [b for b in bodies if isinstance(b["messages"][0]["content"], list)]
+    texts = [b for b in bodies if isinstance(b["messages"][0]["content"], str)]
+    assert 8 <= len(images) <= 32 and texts
+    urls = [p["image_url"]["url"] for b in images for p in b["messages"][0]["content"]
+            if p["type"] == "image_url"]
+    assert len(set(urls)) == len(urls) == len(images)
+    assert all(10 <= len(b["messages"][0]["content"].split()) <= 30 for b in texts)
+    assert all(5 <= b["max_tokens"] <= 15 for b in bodies)
+    assert all(b["stream"] and b["stream_options"] == {"include_usage": True}
+               and b["temperature"] == 0.0 and "ignore_eos" not in b for b in bodies)
+    eos = parse_args(["--ignore-eos", "--extra-body", '{"top_k": 5}', "--no-progress"])
+    body = json.loads(build_bodies(eos, "m", range(1))[0])
+    assert body["ignore_eos"] is True and body["top_k"] == 5
+
+
+def test_closed_loop_figures_and_concurrency(serve_fake, tmp_path, capsys):
+    fake = FakeServer(token_delay=0.01)
+    code, data = run_main(serve_fake(fake), tmp_path, "--num-requests", "12", "--concurrency",
+                          "3", "--output-len", "5", "--prompt-len", "16", "--label", "tiny")
+    assert code == 0
+    assert JSON_KEYS <= data.keys() and data["label"] == "tiny"
+    assert data["completed"] == 12 and data["errors"] == 0 and data["first_error"] is None
+    assert len(fake.bodies) == 12 + 3  # and the warm-up
+    assert fake.max_in_flight == 3
+    assert data["output_tokens"] == 12 * 5 and data["prompt_tokens"] == 12 * 10
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        stats = data[key]
+        assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"] <= stats["max"], key
+    assert data["ttft_ms"]["max"] <= data["e2e_ms"]["max"]
+    assert data["ttft_ms"]["p50"] < data["e2e_ms"]["p50"]
+    assert data["requests_per_s"] > 0 and data["output_tokens_per_s"] > data["requests_per_s"]
+    assert data["health_path"] == "/health" and data["health_ms"]["p50"] > 0
+    assert data["settings"]["concurrency"] == 3 and data["settings"]["model"] == "fake"
+    out = capsys.readouterr().out
+    assert "flatserve bench: tiny" in out and "TTFT" in out and "health /health" in out
+
+
+def test_open_loop_keeps_its_cap(serve_fake, tmp_path):
+    fake = FakeServer(token_delay=0.01)
+    code, data = run_main(serve_fake(fake), tmp_path, "--num-requests", "10", "--request-rate",
+                          "inf", "--concurrency", "2", "--output-len", "4",
+                          "--warmup-requests", "0")
+    assert code == 0 and data["completed"] == 10
+    assert fake.max_in_flight == 2
+    assert data["settings"]["request_rate"] == float("inf")
+
+
+def test_errors_are_counted_with_the_first_text(serve_fake, tmp_path, capsys):
+    url = serve_fake(FakeServer(fail_every=3))
+    code, data = run_main(url, tmp_path, "--num-requests", "9", "--concurrency", "1",
+                          "--output-len", "2", "--warmup-requests", "0")
+    assert code == 0  # the run completed; its errors are reported
+    assert data["completed"] == 6 and data["errors"] == 3
+    assert data["error_kinds"] == {"HTTP 500": 3}
+    assert data["first_error"].startswith("HTTP 500: ") and "injected failure" in data["first_error"]
+    assert "injected failure" in capsys.readouterr().out
+
+
+def test_all_failed_or_unreachable_is_nonzero(serve_fake, tmp_path):
+    url = serve_fake(FakeServer(fail_every=1))
+    code, data = run_main(url, tmp_path, "--num-requests", "3", "--warmup-requests", "0")
+    assert code == 1 and data["completed"] == 0 and data["errors"] == 3
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    assert run_main(closed, tmp_path / "x", "--num-requests", "1")[0] == 2
+
+
+def test_peer_without_health_or_usage(serve_fake, tmp_path, capsys):
+    url = serve_fake(FakeServer(usage=False, health=False))
+    code, data = run_main(url, tmp_path, "--num-requests", "4", "--concurrency", "2",
+                          "--output-len", "3")
+    assert code == 0 and data["completed"] == 4
+    assert data["output_tokens"] == 4 * 3  # counted from the content chunks
+    assert data["prompt_tokens"] is None and data["total_tokens_per_s"] is None
+    assert data["health_path"] == "/v1/models" and data["health_ms"]["p50"] > 0
+    assert "no /health" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_flatserve_bench_against_the_tiny_model(tmp_path):
+    path = tmp_path / "bench.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "api_proc.cli", "bench", "--num-requests", "6", "--output-len",
+         "4", "--concurrency", "2", "--workload", "mixed", "--image-size", "64",
+         "--no-progress", "--json", str(path), "--server-log", str(tmp_path / "server.log"),
+         "--", "--max-num-seqs", "8"],
+        capture_output=True, text=True, timeout=170)
+    assert run.returncode == 0, run.stdout + run.stderr
+    data = json.loads(path.read_text())
+    assert data["completed"] == 6 and data["errors"] == 0
+    assert 0 < data["output_tokens"] <= 6 * 4
+    assert data["ttft_ms"]["max"] <= data["e2e_ms"]["max"]
+    assert data["health_path"] == "/health" and data["health_ms"]["p50"] > 0
+    assert "TTFT" in run.stdout
