@@ -1,23 +1,36 @@
-"""The tiny default Qwen2.5-VL checkpoint, generated locally and deterministically.
+"""Qwen2.5-VL checkpoints with random weights, generated locally and deterministically.
 
-No hub download is possible where flatserve is developed and tested, so the default model is
-made here: random weights from a fixed seed (about 5 M parameters, window attention and
-full-attention blocks in the vision tower so every code path runs), a byte-level BPE
-tokenizer trained on text shipped in shared/data, the Qwen2-VL chat template, and the
-preprocessor config. Same bytes on every run for a given transformers version.
+No hub download is possible where flatserve is developed and tested, so models are made
+here. A `Preset` is the data of one: the shapes `load_model_config` reads back, the weight
+dtype, the folder name. Every preset shares the byte-level BPE tokenizer trained on text
+shipped in shared/data, the Qwen2-VL chat template and the preprocessor config.
+
+- `tiny`, the default model: about 5 M parameters, window attention and full-attention
+  blocks in the vision tower so every code path runs. transformers builds it from a fixed
+  seed; same bytes on every run for a given transformers version.
+- `3b`, `7b`: the real shapes of Qwen2.5-VL-3B/7B-Instruct, to measure performance at scale.
+  Their weights are streamed tensor by tensor into bf16 safetensors shards with an index,
+  so memory stays bounded whatever the model size (7.5 GB and 16.6 GB of disk).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
+import struct
 import tempfile
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+from shared.model_config import TextConfig, VisionConfig
 
 DATA_DIR = Path(__file__).parent / "data"
 CHECKPOINT_VERSION = "v1"
 SEED = 1234
+MAX_SHARD_BYTES = 4 * 10**9  # transformers' "4GB": Qwen2.5-VL-3B ships as 2 shards, 7B as 5
+CHUNK_ELEMENTS = 1 << 23  # streamed weights are drawn and written this many at a time
 
 SPECIAL_TOKENS = (
     "<|endoftext|>",
@@ -36,34 +49,6 @@ SPECIAL_TOKENS = (
     "<|video_pad|>",
 )
 BPE_VOCAB_SIZE = 4000
-VOCAB_MULTIPLE = 128
-
-TEXT_CONFIG = dict(
-    hidden_size=256,
-    intermediate_size=768,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    max_position_embeddings=32768,
-    rms_norm_eps=1e-6,
-    rope_theta=1000000.0,
-    hidden_act="silu",
-)
-MROPE_SECTION = [4, 6, 6]
-VISION_CONFIG = dict(
-    depth=4,
-    hidden_size=128,
-    intermediate_size=256,
-    num_heads=4,
-    out_hidden_size=256,
-    patch_size=14,
-    spatial_merge_size=2,
-    temporal_patch_size=2,
-    window_size=112,
-    fullatt_block_indexes=[1, 3],
-    in_channels=3,
-    hidden_act="silu",
-)
 PREPROCESSOR_CONFIG = {
     "image_processor_type": "Qwen2VLImageProcessor",
     "do_resize": True,
@@ -79,6 +64,113 @@ PREPROCESSOR_CONFIG = {
     "temporal_patch_size": 2,
     "merge_size": 2,
 }
+_SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One random checkpoint. `text.vocab_size` may exceed the shared tokenizer's vocabulary
+    (the extra rows are never looked up), never fall short of it."""
+
+    name: str  # the cache folder is f"{name}-{CHECKPOINT_VERSION}"
+    text: TextConfig
+    vision: VisionConfig
+    dtype: str  # of the weights on disk: "float32", "bfloat16" or "float16"
+    initializer_range: float
+    # True: build the transformers model from SEED and save it in one file (the tiny
+    # checkpoint, whose bytes tests pin). False: stream normal(0, initializer_range)
+    # matrices, ones for norms and zeros for biases into shards, never holding the model.
+    materialize: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(_SAFETENSORS_DTYPES)}")
+
+
+TINY = Preset(
+    name="tiny-qwen2.5-vl",
+    text=TextConfig(
+        vocab_size=4096,  # the tokenizer's 4014 ids rounded up to a multiple of 128
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        mrope_section=(4, 6, 6),
+        tie_word_embeddings=False,
+    ),
+    vision=VisionConfig(
+        depth=4,
+        hidden_size=128,
+        intermediate_size=256,
+        num_heads=4,
+        out_hidden_size=256,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        window_size=112,
+        fullatt_block_indexes=(1, 3),
+    ),
+    dtype="float32",
+    initializer_range=0.05,
+    materialize=True,
+)
+
+# Shapes from the published config.json of Qwen/Qwen2.5-VL-{3B,7B}-Instruct.
+_QWEN2_5_VL_VISION = VisionConfig(
+    depth=32,
+    hidden_size=1280,
+    intermediate_size=3420,
+    num_heads=16,
+    out_hidden_size=2048,
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    window_size=112,
+    fullatt_block_indexes=(7, 15, 23, 31),
+)
+QWEN2_5_VL_3B = Preset(
+    name="random-qwen2.5-vl-3b",
+    text=TextConfig(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_hidden_layers=36,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        max_position_embeddings=128000,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        mrope_section=(16, 24, 24),
+        tie_word_embeddings=True,
+    ),
+    vision=_QWEN2_5_VL_VISION,
+    dtype="bfloat16",
+    initializer_range=0.02,
+)
+QWEN2_5_VL_7B = Preset(
+    name="random-qwen2.5-vl-7b",
+    text=TextConfig(
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        max_position_embeddings=128000,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        mrope_section=(16, 24, 24),
+        tie_word_embeddings=False,
+    ),
+    vision=replace(_QWEN2_5_VL_VISION, out_hidden_size=3584),
+    dtype="bfloat16",
+    initializer_range=0.02,
+)
+PRESETS = {"tiny": TINY, "3b": QWEN2_5_VL_3B, "7b": QWEN2_5_VL_7B}
 
 
 def default_cache_dir() -> Path:
@@ -89,22 +181,27 @@ def default_cache_dir() -> Path:
 
 
 def ensure_tiny_checkpoint(cache_dir: str | Path | None = None) -> Path:
-    """Return the tiny checkpoint folder, writing it first if it is not there yet.
+    """Return the tiny checkpoint folder, writing it first if it is not there yet."""
+    return ensure_checkpoint(TINY, cache_dir)
+
+
+def ensure_checkpoint(preset: Preset, cache_dir: str | Path | None = None) -> Path:
+    """Return the preset's folder in the cache, writing it first if it is not there yet.
 
     Safe against concurrent callers: each builds in a temporary folder and renames it into
     place; the first rename wins."""
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = cache / f"tiny-qwen2.5-vl-{CHECKPOINT_VERSION}"
-    if (target / "model.safetensors").exists():
+    target = cache / f"{preset.name}-{CHECKPOINT_VERSION}"
+    if (target / "config.json").exists():
         return target
     cache.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".tiny-", dir=cache))
+    staging = Path(tempfile.mkdtemp(prefix=f".{preset.name}-", dir=cache))
     try:
-        write_tiny_checkpoint(staging)
+        write_checkpoint(staging, preset)
         try:
             os.rename(staging, target)
         except OSError:
-            if not (target / "model.safetensors").exists():
+            if not (target / "config.json").exists():
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -112,15 +209,34 @@ def ensure_tiny_checkpoint(cache_dir: str | Path | None = None) -> Path:
 
 
 def write_tiny_checkpoint(folder: str | Path) -> Path:
+    return write_checkpoint(folder, TINY)
+
+
+def write_checkpoint(
+    folder: str | Path, preset: Preset, max_shard_bytes: int = MAX_SHARD_BYTES
+) -> Path:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = _train_tokenizer()
+    if tokenizer.get_vocab_size() > preset.text.vocab_size:
+        raise ValueError(
+            f"{preset.name}: vocab_size {preset.text.vocab_size} < the tokenizer's "
+            f"{tokenizer.get_vocab_size()} ids"
+        )
     special = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
-    vocab_size = -(-tokenizer.get_vocab_size() // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     tokenizer.save(str(folder / "tokenizer.json"))
-    _write_tokenizer_config(folder)
-    _write_weights(folder, vocab_size, special)
-    (folder / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG, indent=2) + "\n")
+    _write_tokenizer_config(folder, preset.text.max_position_embeddings)
+    config = _transformers_config(preset, special)
+    if preset.materialize:
+        _save_transformers_model(folder, config, preset)
+    else:
+        config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+        config.dtype = preset.dtype
+        config.save_pretrained(str(folder))
+        _write_streamed_weights(folder, preset, max_shard_bytes)
+    (folder / "preprocessor_config.json").write_text(
+        json.dumps(PREPROCESSOR_CONFIG, indent=2) + "\n"
+    )
     generation = {
         "bos_token_id": special["<|endoftext|>"],
         "eos_token_id": [special["<|im_end|>"], special["<|endoftext|>"]],
@@ -128,6 +244,59 @@ def write_tiny_checkpoint(folder: str | Path) -> Path:
     }
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     return folder
+
+
+def weight_specs(preset: Preset) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, init) of every tensor in the checkpoint, with the published names, in
+    file order. init: "normal" for matrices, "ones" for norm weights, "zeros" for biases."""
+    t, v = preset.text, preset.vision
+    q_size, kv_size = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
+    specs = [("model.embed_tokens.weight", (t.vocab_size, t.hidden_size), "normal")]
+    for i in range(t.num_hidden_layers):
+        p = f"model.layers.{i}."
+        specs += _norm(p + "input_layernorm", t.hidden_size)
+        specs += _linear(p + "self_attn.q_proj", t.hidden_size, q_size, bias=True)
+        specs += _linear(p + "self_attn.k_proj", t.hidden_size, kv_size, bias=True)
+        specs += _linear(p + "self_attn.v_proj", t.hidden_size, kv_size, bias=True)
+        specs += _linear(p + "self_attn.o_proj", q_size, t.hidden_size, bias=False)
+        specs += _norm(p + "post_attention_layernorm", t.hidden_size)
+        specs += _linear(p + "mlp.gate_proj", t.hidden_size, t.intermediate_size, bias=False)
+        specs += _linear(p + "mlp.up_proj", t.hidden_size, t.intermediate_size, bias=False)
+        specs += _linear(p + "mlp.down_proj", t.intermediate_size, t.hidden_size, bias=False)
+    specs += _norm("model.norm", t.hidden_size)
+    if not t.tie_word_embeddings:
+        specs += _linear("lm_head", t.hidden_size, t.vocab_size, bias=False)
+    patch = (v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
+    specs.append(("visual.patch_embed.proj.weight", (v.hidden_size, *patch), "normal"))
+    for i in range(v.depth):
+        p = f"visual.blocks.{i}."
+        specs += _norm(p + "norm1", v.hidden_size)
+        specs += _norm(p + "norm2", v.hidden_size)
+        specs += _linear(p + "attn.qkv", v.hidden_size, 3 * v.hidden_size, bias=True)
+        specs += _linear(p + "attn.proj", v.hidden_size, v.hidden_size, bias=True)
+        specs += _linear(p + "mlp.gate_proj", v.hidden_size, v.intermediate_size, bias=True)
+        specs += _linear(p + "mlp.up_proj", v.hidden_size, v.intermediate_size, bias=True)
+        specs += _linear(p + "mlp.down_proj", v.intermediate_size, v.hidden_size, bias=True)
+    merged = v.hidden_size * v.spatial_merge_size**2
+    specs += _norm("visual.merger.ln_q", v.hidden_size)
+    specs += _linear("visual.merger.mlp.0", merged, merged, bias=True)
+    specs += _linear("visual.merger.mlp.2", merged, v.out_hidden_size, bias=True)
+    return specs
+
+
+def num_parameters(preset: Preset) -> int:
+    return sum(math.prod(shape) for _, shape, _ in weight_specs(preset))
+
+
+def _linear(prefix: str, in_features: int, out_features: int, bias: bool) -> list:
+    specs = [(f"{prefix}.weight", (out_features, in_features), "normal")]
+    if bias:
+        specs.append((f"{prefix}.bias", (out_features,), "zeros"))
+    return specs
+
+
+def _norm(prefix: str, size: int) -> list:
+    return [(f"{prefix}.weight", (size,), "ones")]
 
 
 def _train_tokenizer():
@@ -149,11 +318,11 @@ def _train_tokenizer():
     return tokenizer
 
 
-def _write_tokenizer_config(folder: Path) -> None:
+def _write_tokenizer_config(folder: Path, model_max_length: int) -> None:
     template = (DATA_DIR / "qwen2_vl_chat_template.jinja").read_text(encoding="utf-8")
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": 32768,
+        "model_max_length": model_max_length,
         "bos_token": None,
         "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>",
@@ -166,35 +335,128 @@ def _write_tokenizer_config(folder: Path) -> None:
     (folder / "chat_template.jinja").write_text(template, encoding="utf-8")
 
 
-def _write_weights(folder: Path, vocab_size: int, special: dict[str, int]) -> None:
-    import torch
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+def _transformers_config(preset: Preset, special: dict[str, int]):
+    from transformers import Qwen2_5_VLConfig
 
+    t, v = preset.text, preset.vision
     config = Qwen2_5_VLConfig(
         text_config=dict(
-            TEXT_CONFIG,
-            vocab_size=vocab_size,
+            hidden_size=t.hidden_size,
+            intermediate_size=t.intermediate_size,
+            num_hidden_layers=t.num_hidden_layers,
+            num_attention_heads=t.num_attention_heads,
+            num_key_value_heads=t.num_key_value_heads,
+            max_position_embeddings=t.max_position_embeddings,
+            rms_norm_eps=t.rms_norm_eps,
+            rope_theta=t.rope_theta,
+            hidden_act=t.hidden_act,
+            vocab_size=t.vocab_size,
             bos_token_id=special["<|endoftext|>"],
             eos_token_id=special["<|im_end|>"],
-            rope_scaling={"type": "mrope", "mrope_section": MROPE_SECTION, "rope_theta": TEXT_CONFIG["rope_theta"]},
+            rope_scaling={
+                "type": "mrope",
+                "mrope_section": list(t.mrope_section),
+                "rope_theta": t.rope_theta,
+            },
         ),
-        vision_config=VISION_CONFIG,
+        vision_config=dict(
+            depth=v.depth,
+            hidden_size=v.hidden_size,
+            intermediate_size=v.intermediate_size,
+            num_heads=v.num_heads,
+            out_hidden_size=v.out_hidden_size,
+            patch_size=v.patch_size,
+            spatial_merge_size=v.spatial_merge_size,
+            temporal_patch_size=v.temporal_patch_size,
+            window_size=v.window_size,
+            fullatt_block_indexes=list(v.fullatt_block_indexes),
+            in_channels=v.in_channels,
+            hidden_act=v.hidden_act,
+        ),
         image_token_id=special["<|image_pad|>"],
         video_token_id=special["<|video_pad|>"],
         vision_start_token_id=special["<|vision_start|>"],
         vision_end_token_id=special["<|vision_end|>"],
         bos_token_id=special["<|endoftext|>"],
         eos_token_id=special["<|im_end|>"],
-        tie_word_embeddings=False,
-        initializer_range=0.05,
+        tie_word_embeddings=t.tie_word_embeddings,
+        initializer_range=preset.initializer_range,
     )
-    config.text_config.initializer_range = 0.05
-    config.vision_config.initializer_range = 0.05
+    config.text_config.initializer_range = preset.initializer_range
+    config.vision_config.initializer_range = preset.initializer_range
+    return config
+
+
+def _save_transformers_model(folder: Path, config, preset: Preset) -> None:
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
     state = torch.random.get_rng_state()
     try:
         torch.manual_seed(SEED)
-        model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32).eval()
+        model = Qwen2_5_VLForConditionalGeneration(config).to(getattr(torch, preset.dtype)).eval()
     finally:
         torch.random.set_rng_state(state)
     model.save_pretrained(str(folder), safe_serialization=True)
     model.generation_config.save_pretrained(str(folder))
+
+
+def _write_streamed_weights(folder: Path, preset: Preset, max_shard_bytes: int) -> None:
+    """Shards named and indexed like transformers' (model-0000i-of-0000n.safetensors and
+    model.safetensors.index.json). Each file's header is written first, from the shapes,
+    then every tensor is drawn CHUNK_ELEMENTS at a time straight into the file."""
+    import torch
+
+    dtype = getattr(torch, preset.dtype)
+    buffer = torch.empty(CHUNK_ELEMENTS, dtype=dtype)
+    itemsize = buffer.element_size()
+    shards = _split_shards(weight_specs(preset), itemsize, max_shard_bytes)
+    generator = torch.Generator().manual_seed(SEED)
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        with open(folder / file, "wb") as f:
+            f.write(_safetensors_header(shard, _SAFETENSORS_DTYPES[preset.dtype], itemsize))
+            for name, shape, init in shard:
+                numel = math.prod(shape)
+                for start in range(0, numel, CHUNK_ELEMENTS):
+                    part = buffer[: min(CHUNK_ELEMENTS, numel - start)]
+                    if init == "normal":
+                        part.normal_(0.0, preset.initializer_range, generator=generator)
+                    else:
+                        part.fill_(1.0 if init == "ones" else 0.0)
+                    f.write(part.view(torch.uint8).numpy())
+                weight_map[name] = file
+                total += numel * itemsize
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    text = json.dumps(index, indent=2, sort_keys=True) + "\n"
+    (folder / "model.safetensors.index.json").write_text(text)
+
+
+def _split_shards(specs: list, itemsize: int, max_shard_bytes: int) -> list[list]:
+    """Consecutive runs of tensors, each run at most max_shard_bytes unless one tensor is
+    bigger on its own."""
+    shards: list[list] = [[]]
+    size = 0
+    for spec in specs:
+        nbytes = math.prod(spec[1]) * itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += nbytes
+    return shards
+
+
+def _safetensors_header(specs: list, dtype: str, itemsize: int) -> bytes:
+    """The safetensors prefix: header length (u64 little-endian), then the JSON header with
+    each tensor's byte range in the data that follows, padded to 8 bytes."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape, _ in specs:
+        end = offset + math.prod(shape) * itemsize
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, end]}
+        offset = end
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw

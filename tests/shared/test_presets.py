@@ -1,0 +1,123 @@
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from engine_proc.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+from shared.model_config import load_model_config
+from shared.tiny_checkpoint import (
+    PRESETS,
+    QWEN2_5_VL_3B,
+    QWEN2_5_VL_7B,
+    TINY,
+    num_parameters,
+    weight_specs,
+    write_checkpoint,
+)
+
+
+def _shrunk(preset):
+    """The preset's structure (tied embeddings, real vocabulary, window and full-attention
+    blocks, bf16) at widths that write in milliseconds."""
+    # head_dim=0: recomputed from the new widths (replace would carry the old one over)
+    text = replace(
+        preset.text,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        mrope_section=(4, 6, 6),
+        head_dim=0,
+    )
+    vision = replace(
+        preset.vision,
+        depth=3,
+        hidden_size=64,
+        intermediate_size=96,
+        num_heads=2,
+        out_hidden_size=64,
+        fullatt_block_indexes=(1,),
+    )
+    return replace(preset, name="shrunk", text=text, vision=vision)
+
+
+def test_presets_have_the_published_shapes():
+    assert set(PRESETS) == {"tiny", "3b", "7b"}
+    t3, v3 = QWEN2_5_VL_3B.text, QWEN2_5_VL_3B.vision
+    assert (t3.hidden_size, t3.intermediate_size, t3.num_hidden_layers) == (2048, 11008, 36)
+    assert (t3.num_attention_heads, t3.num_key_value_heads, t3.head_dim) == (16, 2, 128)
+    assert (t3.vocab_size, t3.tie_word_embeddings, t3.mrope_section) == (151936, True, (16, 24, 24))
+    assert (v3.depth, v3.hidden_size, v3.intermediate_size, v3.num_heads) == (32, 1280, 3420, 16)
+    assert (v3.out_hidden_size, v3.fullatt_block_indexes) == (2048, (7, 15, 23, 31))
+    t7, v7 = QWEN2_5_VL_7B.text, QWEN2_5_VL_7B.vision
+    assert (t7.hidden_size, t7.intermediate_size, t7.num_hidden_layers) == (3584, 18944, 28)
+    assert (t7.num_attention_heads, t7.num_key_value_heads, t7.head_dim) == (28, 4, 128)
+    assert (t7.vocab_size, t7.tie_word_embeddings) == (152064, False)
+    assert v7 == replace(v3, out_hidden_size=3584)
+    assert QWEN2_5_VL_3B.dtype == QWEN2_5_VL_7B.dtype == "bfloat16"
+
+
+def test_parameter_counts_match_the_published_models():
+    assert num_parameters(QWEN2_5_VL_3B) == pytest.approx(3.75e9, rel=0.01)
+    assert num_parameters(QWEN2_5_VL_7B) == pytest.approx(8.29e9, rel=0.01)
+
+
+def test_weight_specs_name_what_transformers_saves(tiny_model_path):
+    with safe_open(str(tiny_model_path / "model.safetensors"), "pt") as f:
+        saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    assert saved == {name: shape for name, shape, _ in weight_specs(TINY)}
+    assert load_model_config(tiny_model_path).text == TINY.text
+    assert load_model_config(tiny_model_path).vision == TINY.vision
+
+
+def test_streamed_preset_loads_in_flatserve_and_transformers(tmp_path, tiny_model_path):
+    from transformers import Qwen2_5_VLForConditionalGeneration as HFModel
+
+    preset = _shrunk(QWEN2_5_VL_3B)
+    folder = write_checkpoint(tmp_path / "m", preset, max_shard_bytes=200_000)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in folder.glob("*.safetensors"))
+    assert len(shards) >= 3 and sorted(set(index["weight_map"].values())) == shards
+    assert index["weight_map"].keys() == {name for name, _, _ in weight_specs(preset)}
+    assert "lm_head.weight" not in index["weight_map"]  # tied
+
+    cfg, tiny = load_model_config(folder), load_model_config(tiny_model_path)
+    assert (cfg.text, cfg.vision, cfg.torch_dtype) == (preset.text, preset.vision, "bfloat16")
+    assert (cfg.image_token_id, cfg.vision_start_token_id, cfg.eos_token_ids) == (
+        tiny.image_token_id,
+        tiny.vision_start_token_id,
+        tiny.eos_token_ids,
+    )
+
+    model = Qwen2_5_VLForConditionalGeneration(cfg, torch.device("cpu"), torch.bfloat16)
+    model.load_weights(folder)  # raises on a missing or unexpected tensor
+    embed = model.model.embed_tokens.weight
+    assert model.lm_head.weight is embed
+    assert embed.float().std().item() == pytest.approx(0.02, rel=0.05)
+    assert torch.equal(model.model.norm.weight, torch.ones(64, dtype=torch.bfloat16))
+
+    hf, info = HFModel.from_pretrained(folder, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    assert hf.dtype == torch.bfloat16
+    assert hf.lm_head.weight.data_ptr() == hf.model.language_model.embed_tokens.weight.data_ptr()
+    assert torch.equal(hf.model.language_model.embed_tokens.weight, embed)
+
+
+def test_streamed_weights_are_the_same_on_every_run(tmp_path):
+    preset = _shrunk(QWEN2_5_VL_7B)
+    a = write_checkpoint(tmp_path / "a", preset, max_shard_bytes=200_000)
+    b = write_checkpoint(tmp_path / "b", preset, max_shard_bytes=200_000)
+    files = sorted(p.name for p in a.iterdir())
+    assert files == sorted(p.name for p in b.iterdir())
+    assert all((a / f).read_bytes() == (b / f).read_bytes() for f in files)
+
+
+def test_vocabulary_must_cover_the_tokenizer(tmp_path):
+    preset = replace(TINY, text=replace(TINY.text, vocab_size=1000))
+    with pytest.raises(ValueError, match="vocab_size"):
+        write_checkpoint(tmp_path / "m", preset)
