@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from rpc import Codec, RpcClient
 from shared.engine_config import EngineConfig
-from shared.memory import MALLOC_ENV, glibc_tuning_enabled
+from shared.memory import ENGINE_MALLOC_ENV, glibc_tuning_enabled
 from shared.messages import WIRE_TYPES
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ class EngineHandle:
 def engine_env() -> dict[str, str]:
     env = dict(os.environ)
     if glibc_tuning_enabled():
-        for key, value in MALLOC_ENV.items():
+        for key, value in ENGINE_MALLOC_ENV.items():
             env.setdefault(key, value)
     return env
 

@@ -11,7 +11,7 @@ from api_proc.config import ApiConfig
 from api_proc.launcher import EngineStartError, start_engines, stop_engines
 from rpc import IpcDir
 from shared.engine_config import EngineConfig
-from shared.memory import MALLOC_ENV, apply_malloc_settings
+from shared.memory import API_MALLOC_ENV, apply_malloc_settings
 from shared.model_config import load_model_config
 from shared.process import set_process_title
 
@@ -42,7 +42,7 @@ def run_server(args: argparse.Namespace) -> int:
     from api_proc.app import build_app
 
     set_process_title("flatserve: api")
-    apply_malloc_settings()
+    apply_malloc_settings(API_MALLOC_ENV)
     model, served_name = _resolve_model(args)
     # Unset, the context is the model's own capped at DEFAULT_MAX_MODEL_LEN: requests without
     # max_tokens get the rest of the context, and image requests reserve KV for all of it.
@@ -77,7 +77,7 @@ def run_server(args: argparse.Namespace) -> int:
         )
         app = build_app(config, engine_processes=[h.process for h in handles])
         logger.info("serving %s on http://%s:%d (glibc: %s)", served_name, config.host, config.port,
-                    ", ".join(f"{k}={v}" for k, v in MALLOC_ENV.items()))
+                    ", ".join(f"{k}={v}" for k, v in API_MALLOC_ENV.items()))
         uvicorn.run(app, host=config.host, port=config.port, loop="uvloop",
                     log_level=args.log_level, timeout_graceful_shutdown=5)
         return 0

@@ -164,8 +164,8 @@ class EngineProcess:
                 self.inbox.wakeup.wait(IDLE_WAIT_S)
                 self.inbox.wakeup.clear()
             self.stats = self.engine.stats()
-            if held_mm and not self.stats.mm_bytes_held:
-                release_freed_memory()
+            if self.stats.mm_bytes_held < held_mm:
+                release_freed_memory()  # engines keep glibc's dynamic mmap threshold
             held_mm = self.stats.mm_bytes_held
             if outputs:
                 self.loop.call_soon_threadsafe(self._dispatch, outputs)

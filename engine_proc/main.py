@@ -8,7 +8,7 @@ import signal
 import sys
 
 from shared.engine_config import EngineConfig
-from shared.memory import apply_malloc_settings, bound_kernel_caches
+from shared.memory import ENGINE_MALLOC_ENV, apply_malloc_settings, bound_kernel_caches
 from shared.process import die_with_parent, set_process_title
 
 
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s engine{config.rank} %(levelname)s %(name)s: %(message)s",
     )
     set_process_title(f"flatserve: engine {config.rank}")
-    apply_malloc_settings()
+    apply_malloc_settings(ENGINE_MALLOC_ENV)
     bound_kernel_caches()
     if args.die_with_parent:
         die_with_parent()

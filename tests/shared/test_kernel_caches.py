@@ -16,8 +16,8 @@ from shared.memory import bound_kernel_caches
 # RSS growth from the 200th to the 600th distinct shape, in MB.
 NEW_SHAPES = """
 import psutil, torch
-from shared.memory import apply_malloc_settings, bound_kernel_caches
-apply_malloc_settings()  # as engine_proc.main does
+from shared.memory import ENGINE_MALLOC_ENV, apply_malloc_settings, bound_kernel_caches
+apply_malloc_settings(ENGINE_MALLOC_ENV)  # as engine_proc.main does
 bound_kernel_caches()
 torch.set_num_threads(1)
 weight = torch.randn(512, 256, dtype=torch.bfloat16)
