@@ -17,6 +17,7 @@ from shared.engine_config import EngineConfig
 ENGINE_FLAGS = (
     "max_num_seqs",
     "max_num_batched_tokens",
+    "max_num_encoder_patches",
     "block_size",
     "num_kv_blocks",
     "kv_cache_memory_bytes",

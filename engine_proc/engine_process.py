@@ -46,6 +46,7 @@ class EngineProcess:
             config.model,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_encoder_patches=config.max_num_encoder_patches,
             max_model_len=config.max_model_len or None,
             num_kv_blocks=config.num_kv_blocks or None,
             kv_cache_memory_bytes=config.kv_cache_memory_bytes or None,

@@ -6,6 +6,13 @@ then new sequences from the waiting queue, until `max_num_batched_tokens` or
 `max_num_seqs` is reached. A prefill chunk may end anywhere, also inside an image's
 placeholder tokens.
 
+Vision work per step is bounded too: the images a step encodes may hold at most
+`max_num_encoder_patches` patches together (an image larger than that is encoded alone in
+its step). A chunk that would reach an image over that budget ends just before the image's
+placeholder tokens, and the image is encoded in a later step. So a burst of large images
+cannot freeze the running decodes for seconds: each step carries at most one budget of
+vision work beside them.
+
 Preemption is by recompute (free the blocks, requeue at the front, prefill again) and only
 ever hits text-only sequences. R3 frees an image's pixels and embeddings once its last
 placeholder token is in the KV cache, after which the sequence could not be recomputed. So
@@ -59,6 +66,31 @@ class ScheduledBatch:
         return bool(self.seqs)
 
 
+class _EncoderBudget:
+    """The vision patches one step may still encode."""
+
+    def __init__(self, max_patches: int) -> None:
+        self.left = max_patches
+        self.used = False
+
+    def fit(self, seq: Sequence, num_new: int) -> int:
+        """How many of `num_new` tokens from `seq`'s first uncomputed one the step can take:
+        up to the first image it cannot encode within the budget (at least one image per
+        step, however large). Charges the images the returned chunk reaches."""
+        start = seq.num_computed_tokens
+        for image in seq.images:
+            if image.offset >= start + num_new:
+                break
+            if image.offset < start:
+                continue  # an earlier chunk reached it: encoded then
+            patches = image.num_patches
+            if self.used and patches > self.left:
+                return image.offset - start
+            self.left -= patches
+            self.used = True
+        return num_new
+
+
 class Scheduler:
     def __init__(
         self,
@@ -69,6 +101,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         max_waiting: int,
+        max_num_encoder_patches: int = 8192,
         eos_token_ids: tuple[int, ...] = (),
     ):
         if max_num_batched_tokens < max_num_seqs:
@@ -82,6 +115,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.max_waiting = max_waiting
+        self.max_num_encoder_patches = max_num_encoder_patches
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -128,6 +162,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        encoder = _EncoderBudget(self.max_num_encoder_patches)
         scheduled: set[int] = set()
         preempted = False
         # 1. one decode token for every sequence past its prefill
@@ -156,8 +191,11 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted to make room for a decode
             num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-            batch.add(seq, num_new)
-            budget -= num_new
+            if seq.has_images:
+                num_new = encoder.fit(seq, num_new)
+            if num_new:
+                batch.add(seq, num_new)
+                budget -= num_new
         # 3. admit waiting sequences (not in a step that had to preempt: they would thrash)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             if preempted and self.running:
@@ -166,11 +204,15 @@ class Scheduler:
             num_tokens = self.num_tokens_to_reserve(seq)
             if not self.block_manager.can_allocate(num_tokens):
                 break
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if seq.has_images:
+                num_new = encoder.fit(seq, num_new)
+            if not num_new:
+                break  # its first image waits for the next step's encoder budget (FIFO)
             self.waiting.popleft()
             self.block_manager.allocate(seq, num_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            num_new = min(seq.num_uncomputed_tokens, budget)
             batch.add(seq, num_new)
             budget -= num_new
         return batch

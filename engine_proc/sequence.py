@@ -37,6 +37,11 @@ class ImageSpan:
         return self.offset + self.length
 
     @property
+    def num_patches(self) -> int:
+        t, h, w = self.grid_thw
+        return t * h * w
+
+    @property
     def released(self) -> bool:
         return self.pixels is None and self.embeds is None
 

@@ -15,6 +15,8 @@ class EngineConfig:
     rank: int = opt(0, "index of this engine among the server's engines")
     max_num_seqs: int = opt(64, "most sequences in one batch")
     max_num_batched_tokens: int = opt(8192, "token budget of one step (chunked prefill)")
+    max_num_encoder_patches: int = opt(
+        8192, "vision patches one step may encode (an image larger than this runs alone)")
     max_model_len: int = opt(0, "prompt + completion token limit (0: the model's own)")
     block_size: int = opt(16, "tokens per KV cache block")
     num_kv_blocks: int = opt(0, "KV cache blocks (0: from --kv-cache-memory-bytes)")
@@ -25,7 +27,8 @@ class EngineConfig:
     log_level: str = opt("info", "log level")
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_waiting"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_num_encoder_patches",
+                     "block_size", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes", "rank"):

@@ -237,3 +237,44 @@ def test_finish_frees_blocks_and_images_of_waiting_and_running():
     assert a.status == b.status == SequenceStatus.FINISHED
     assert a.images[0].released and b.images[0].released
     assert sched.is_finished() and sched.block_manager.num_free_blocks == 64
+
+
+def test_encoder_budget_spreads_a_burst_of_images_over_steps():
+    # each image: grid (1, 2, 2) = 4 patches, 1 placeholder token; budget 8 patches a step
+    sched = make_scheduler(max_num_batched_tokens=64, max_num_encoder_patches=8)
+    seqs = [make_seq(10, images=[(2, 1), (6, 1)]) for _ in range(3)]
+    for seq in seqs:
+        sched.add(seq)
+    batch, _ = step(sched)
+    # the first sequence's two images fill the budget; the others prefill up to theirs
+    assert batch.seqs == seqs and batch.num_new_tokens == [10, 2, 2]
+    batch, _ = step(sched)
+    assert batch.seqs == seqs[:2] and batch.num_new_tokens == [1, 8]
+    batch, _ = step(sched)
+    # decodes always run beside the vision work
+    assert batch.seqs == seqs and batch.num_new_tokens == [1, 1, 8]
+    assert batch.num_decode_seqs == 2
+
+
+def test_encoder_budget_cuts_a_chunk_before_the_image_it_cannot_encode():
+    sched = make_scheduler(max_num_batched_tokens=64, max_num_encoder_patches=4)
+    seq = make_seq(12, images=[(2, 1), (8, 1)])
+    sched.add(seq)
+    batch, _ = step(sched)
+    assert batch.num_new_tokens == [8]  # up to the second image's placeholder
+    batch, _ = step(sched)
+    assert batch.num_new_tokens == [4]
+    assert run_all(sched) >= 1 and seq.is_finished
+
+
+def test_an_image_larger_than_the_encoder_budget_runs_alone():
+    sched = make_scheduler(max_num_batched_tokens=64, max_num_encoder_patches=2)
+    big = [make_seq(6, images=[(1, 1)]) for _ in range(2)]
+    for seq in big:
+        sched.add(seq)
+    batch, _ = step(sched)
+    assert batch.seqs == big and batch.num_new_tokens == [6, 1]
+    batch, _ = step(sched)
+    assert batch.seqs == big and batch.num_new_tokens == [1, 5]
+    run_all(sched)
+    assert all(seq.is_finished for seq in big)
