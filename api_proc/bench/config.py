@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from api_proc.soak.config import serve_command
+from api_proc.soak.config import serve_command, split_passthrough
 from shared.config_args import opt
 
 WORKLOADS = ("text", "image", "mixed")
@@ -182,11 +182,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 def parse_args(argv: list[str], prog: str | None = None) -> BenchConfig:
     """argv (without the program name) -> BenchConfig; exits with status 2 on bad arguments."""
     parser = build_parser(prog)
-    argv = list(argv)
-    passthrough: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, passthrough = argv[:cut], argv[cut + 1:]
+    argv, passthrough = split_passthrough(argv)
     values = vars(parser.parse_args(argv))
     values["server_command"] = tuple(values["server_command"] or ())
     try:

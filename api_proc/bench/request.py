@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 
 import httpx
+
+from api_proc.soak.load import StreamFailure, parse_chunk
 
 ERROR_HEAD = 300  # characters of an error body kept
 
@@ -42,12 +43,6 @@ class RequestResult:
         self.error_kind, self.error = kind, message[:ERROR_HEAD]
 
 
-class _StreamError(Exception):
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind
-
-
 async def send_request(client: httpx.AsyncClient, url: str, body: bytes) -> RequestResult:
     """POST `body` to `url` and read its stream to [DONE]; failures are recorded in the result,
     never raised."""
@@ -56,11 +51,11 @@ async def send_request(client: httpx.AsyncClient, url: str, body: bytes) -> Requ
         async with client.stream("POST", url, content=body) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
-                raise _StreamError(f"HTTP {response.status_code}",
+                raise StreamFailure(f"HTTP {response.status_code}",
                                    f"HTTP {response.status_code}: {text}")
             await _read_stream(response, result)
         result.ok = True
-    except _StreamError as err:
+    except StreamFailure as err:
         result.fail(err.kind, str(err))
     except httpx.TimeoutException as err:
         result.fail("timeout", repr(err))
@@ -81,7 +76,7 @@ async def _read_stream(response: httpx.Response, result: RequestResult) -> None:
         data = line[5:].strip()
         if data == "[DONE]":
             return
-        chunk = _parse_chunk(data)
+        chunk = parse_chunk(data)
         if usage := chunk.get("usage"):
             result.completion_tokens = usage.get("completion_tokens")
             result.prompt_tokens = usage.get("prompt_tokens")
@@ -93,21 +88,10 @@ async def _read_stream(response: httpx.Response, result: RequestResult) -> None:
             result.itl_s.append(now - last_content_at)
         last_content_at = now
         result.content_chunks += 1
-    raise _StreamError("incomplete stream",
+    raise StreamFailure("incomplete stream",
                        f"the stream ended after {result.content_chunks} content chunks "
                        "without [DONE]")
 
-
-def _parse_chunk(data: str) -> dict:
-    try:
-        chunk = json.loads(data)
-    except ValueError:
-        raise _StreamError("malformed SSE", f"not JSON: {data!r}") from None
-    if not isinstance(chunk, dict):
-        raise _StreamError("malformed SSE", f"not an object: {data!r}")
-    if "error" in chunk:
-        raise _StreamError("stream error", json.dumps(chunk["error"]))
-    return chunk
 
 
 def _has_content(chunk: dict) -> bool:

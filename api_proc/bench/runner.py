@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 import sys
 from collections.abc import Iterator
 
@@ -18,7 +17,7 @@ from api_proc.bench.request import RequestResult
 from api_proc.bench.stats import BenchResult, summarize
 from api_proc.bench.workload import build_bodies
 from api_proc.soak.config import passthrough_value
-from api_proc.soak.server import ManagedServer, ServerStartError
+from api_proc.soak.server import ManagedServer, ServerStartError, sigterm_as_interrupt
 
 
 class BenchError(RuntimeError):
@@ -114,10 +113,6 @@ def run_bench(config: BenchConfig) -> BenchResult:
     return summarize(results, poller.latencies_s, path, poller.errors, config.label, settings)
 
 
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     """The bench command line: 0 the run completed (errors are printed), 1 every request
     failed, 2 could not run, 130 interrupted."""
@@ -125,19 +120,15 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         config = parse_args(sys.argv[1:] if argv is None else argv, prog)
     except SystemExit as exit_:  # --help, or bad arguments (already reported)
         return exit_.code if isinstance(exit_.code, int) else 2
-    # SIGTERM stops the run as Ctrl-C does, and so stops the server it started (which runs in
-    # its own session, so no signal reaches it otherwise).
-    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        result = run_bench(config)
+        with sigterm_as_interrupt():
+            result = run_bench(config)
     except (ServerStartError, BenchError) as err:
         _log(str(err))
         return 2
     except KeyboardInterrupt:
         _log("interrupted")
         return 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     print(format_table(result))
     if config.json_path:
         write_json(config.json_path, result)

@@ -129,6 +129,15 @@ def parse_bytes(text: str) -> int:
     return int(number * 1024 ** "_kmgt".index(unit or "_"))
 
 
+def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
+    """argv -> (the tool's own arguments, those after '--' that go to the server)."""
+    argv = list(argv)
+    if "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1:]
+
+
 def passthrough_value(args: tuple[str, ...] | list[str], flag: str) -> str | None:
     """The value of `flag` in argv-style `args` ('--flag V' or '--flag=V'; the last one wins)."""
     value = None
@@ -198,11 +207,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 def parse_args(argv: list[str], prog: str | None = None) -> SoakConfig:
     """argv (without the program name) -> SoakConfig; exits with status 2 on bad arguments."""
     parser = build_parser(prog)
-    argv = list(argv)
-    passthrough: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, passthrough = argv[:cut], argv[cut + 1:]
+    argv, passthrough = split_passthrough(argv)
     args = parser.parse_args(argv)
     values = vars(args)
     for name in ("pids", "allow_status"):

@@ -87,7 +87,7 @@ def build_body(config: SoakConfig, model: str, pool: ImagePool, plan: RequestPla
     return json.dumps(body).encode()
 
 
-class _Failure(Exception):
+class StreamFailure(Exception):
     def __init__(self, kind: str, message: str):
         super().__init__(message)
         self.kind = kind
@@ -175,7 +175,7 @@ class LoadGenerator:
             self.stats.in_flight += 1
             try:
                 outcome = await self._send(client, plan, body)
-            except _Failure as failure:
+            except StreamFailure as failure:
                 self.stats.record_error(index, failure.kind, str(failure))
             except httpx.TimeoutException as err:
                 self.stats.record_error(index, "timeout", repr(err))
@@ -217,7 +217,7 @@ class LoadGenerator:
             return None
         if response.status_code in self.config.allow_status:
             return "rejected"
-        raise _Failure(f"HTTP {response.status_code}", response.text[:300])
+        raise StreamFailure(f"HTTP {response.status_code}", response.text[:300])
 
     async def _send_unary(self, client: httpx.AsyncClient, body: bytes) -> str:
         started = time.monotonic()
@@ -230,7 +230,7 @@ class LoadGenerator:
             if not choices or "message" not in choices[0]:
                 raise ValueError("no choice with a message")
         except (ValueError, KeyError, TypeError) as err:
-            raise _Failure("malformed response", f"{err!r}: {response.text[:200]}") from None
+            raise StreamFailure("malformed response", f"{err!r}: {response.text[:200]}") from None
         self._latency_s = 0.8 * self._latency_s + 0.2 * (time.monotonic() - started)
         return "ok"
 
@@ -251,17 +251,24 @@ class LoadGenerator:
                 _check_chunk(data)
                 if plan.disconnect and chunks >= plan.disconnect_after_chunks:
                     return "disconnect"  # leaving the block closes the connection mid-stream
-        raise _Failure("incomplete stream", f"ended after {chunks} chunks without [DONE]")
+        raise StreamFailure("incomplete stream", f"ended after {chunks} chunks without [DONE]")
 
 
-def _check_chunk(data: str) -> None:
+def parse_chunk(data: str) -> dict:
+    """One SSE `data:` payload -> its JSON object; StreamFailure if it is not one or carries
+    an error."""
     try:
         chunk = json.loads(data)
     except ValueError:
-        raise _Failure("malformed SSE", f"not JSON: {data[:200]!r}") from None
+        raise StreamFailure("malformed SSE", f"not JSON: {data[:200]!r}") from None
     if not isinstance(chunk, dict):
-        raise _Failure("malformed SSE", f"not an object: {data[:200]!r}")
+        raise StreamFailure("malformed SSE", f"not an object: {data[:200]!r}")
     if "error" in chunk:
-        raise _Failure("stream error", json.dumps(chunk["error"])[:300])
+        raise StreamFailure("stream error", json.dumps(chunk["error"])[:300])
+    return chunk
+
+
+def _check_chunk(data: str) -> None:
+    chunk = parse_chunk(data)
     if not isinstance(chunk.get("choices"), list):
-        raise _Failure("malformed SSE", f"no choices: {data[:200]!r}")
+        raise StreamFailure("malformed SSE", f"no choices: {data[:200]!r}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -19,7 +18,7 @@ from api_proc.soak.load import LoadGenerator, LoadStats
 from api_proc.soak.processes import listening_pid, make_targets, tree_pids
 from api_proc.soak.report import write_csv, write_json, write_plot
 from api_proc.soak.sampler import MB, RssSampler
-from api_proc.soak.server import ManagedServer, ServerStartError, log_tail
+from api_proc.soak.server import ManagedServer, ServerStartError, log_tail, sigterm_as_interrupt
 from api_proc.soak.summary import Summary, format_table, summarize
 
 
@@ -179,10 +178,6 @@ def run_soak(config: SoakConfig, on_sample: Callable[[RssSampler], None] | None 
     return summary
 
 
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     """The soak command line: 0 passed, 1 failed (growth or errors), 2 could not run,
     130 interrupted."""
@@ -190,19 +185,15 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         config = parse_args(sys.argv[1:] if argv is None else argv, prog)
     except SystemExit as exit_:  # --help, or bad arguments (already reported)
         return exit_.code if isinstance(exit_.code, int) else 2
-    # SIGTERM stops a soak as Ctrl-C does: the load ends, the server it started is stopped
-    # (it runs in its own session, so no signal reaches it otherwise) and results are kept.
-    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        summary = run_soak(config)
+        with sigterm_as_interrupt():  # the load ends, the server stops, results are kept
+            summary = run_soak(config)
     except (ServerStartError, SoakError) as err:
         _log(str(err))
         return 2
     except KeyboardInterrupt:
         _log("interrupted")
         return 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     table_stream = sys.stderr if config.json_path == "-" else sys.stdout
     print(format_table(summary), file=table_stream)
     if "server_log" in summary.files and (summary.stop_reason or any(

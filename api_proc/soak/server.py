@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import time
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -15,6 +17,21 @@ import httpx
 import psutil
 
 from api_proc.soak.config import passthrough_value
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM stops a run as Ctrl-C does, and so stops the server it started (which runs in
+    its own session, so no signal reaches it otherwise)."""
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class ServerStartError(RuntimeError):

@@ -4,7 +4,7 @@ import pytest
 
 from api_proc.soak.config import SoakConfig
 from api_proc.soak.images import ImagePool
-from api_proc.soak.load import _check_chunk, _Failure, build_body, plan_request
+from api_proc.soak.load import StreamFailure, _check_chunk, build_body, plan_request
 
 
 def test_plans_are_deterministic_and_follow_the_shares():
@@ -45,6 +45,6 @@ def test_sse_chunk_checks():
     for bad, kind in [("nope", "malformed SSE"), ("[1]", "malformed SSE"),
                       ('{"id": 1}', "malformed SSE"),
                       ('{"error": {"message": "boom"}}', "stream error")]:
-        with pytest.raises(_Failure) as err:
+        with pytest.raises(StreamFailure) as err:
             _check_chunk(bad)
         assert err.value.kind == kind
