@@ -68,7 +68,13 @@ class Result:
 
 
 def make_specs(
-    config, num_requests: int, image_fraction: float, min_tokens: int, max_tokens: int, seed: int
+    config,
+    num_requests: int,
+    image_fraction: float,
+    min_tokens: int,
+    max_tokens: int,
+    seed: int,
+    image_sizes: list[tuple[int, int]] = IMAGE_SIZES,
 ) -> list[Spec]:
     rng = np.random.default_rng(seed)
     specs = []
@@ -76,7 +82,7 @@ def make_specs(
         ids = rng.integers(10, 3900, int(rng.integers(16, 96))).tolist()
         sizes = []
         if rng.random() < image_fraction:
-            h, w = IMAGE_SIZES[int(rng.integers(len(IMAGE_SIZES)))]
+            h, w = image_sizes[int(rng.integers(len(image_sizes)))]
             sizes.append((h, w))
             n = (h // 14) * (w // 14) // 4
             tail = rng.integers(10, 3900, int(rng.integers(4, 24))).tolist()
@@ -109,10 +115,48 @@ KERNEL_OPS = (
 )
 
 
-def run_engine(model: str, specs: list[Spec], args: dict, kernels_only: bool = False) -> Result:
+def drive(engine, requests: list, steady_concurrency: int = 0) -> tuple[int, list[float]]:
+    """Run `requests` through `engine` to the end; returns the output tokens and each
+    request's time to first token (from the call). All arrive at once, or (steady_concurrency
+    > 0) one per step until that many are in flight, then one per finished request at the
+    next step: a closed loop whose newcomers' prefills always share steps with decodes.
+    Consumes `requests`: the engine owns each one (and its pixels) once added."""
+    pending = requests
+    pending.reverse()  # pop() from the end takes them in order
+    # How many more may arrive now: all at once, or one per step up to the concurrency.
+    allowance = len(pending) if not steady_concurrency else 1
+    in_flight = num_tokens = 0
+    first: dict[str, float] = {}
+    start = time.perf_counter()
+    while pending or engine.has_unfinished_requests():
+        while (
+            pending and allowance > 0 and (not steady_concurrency or in_flight < steady_concurrency)
+        ):
+            engine.add_request(pending.pop())
+            allowance -= 1
+            in_flight += 1
+        outputs = engine.step()
+        now = time.perf_counter()
+        for output in outputs:
+            num_tokens += len(output.new_token_ids)
+            first.setdefault(output.request_id, now - start)
+            if output.finish_reason is not None:
+                in_flight -= 1
+        if steady_concurrency:
+            allowance = 1
+    return num_tokens, list(first.values())
+
+
+def run_engine(
+    model: str,
+    specs: list[Spec],
+    args: dict,
+    kernels_only: bool = False,
+    steady_concurrency: int = 0,
+) -> Result:
     """The engine over `specs`. kernels_only: run it under torch.profiler and report the
     time spent inside KERNEL_OPS as the wall time (a floor for any engine on this
-    machine, same dtype and threads); CPU only."""
+    machine, same dtype and threads); CPU only. steady_concurrency: see `drive`."""
     import torch
 
     from engine_proc.llm_engine import LLMEngine
@@ -131,28 +175,18 @@ def run_engine(model: str, specs: list[Spec], args: dict, kernels_only: bool = F
 
     engine.generate(list(requests("warmup-"))[:4])  # first-call costs stay out of the figures
     pending = list(requests(""))
-    first: dict[str, float] = {}
-    num_tokens = 0
     profiler = None
     if kernels_only:
         profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
         profiler.start()
     start = time.perf_counter()
-    for request in pending:
-        engine.add_request(request)
-    pending = request = None
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
-        now = time.perf_counter()
-        for output in outputs:
-            num_tokens += len(output.new_token_ids)
-            first.setdefault(output.request_id, now - start)
+    num_tokens, first = drive(engine, pending, steady_concurrency)
     wall = time.perf_counter() - start
     if not kernels_only:
-        return Result(
-            "flatserve LLMEngine", len(specs), num_tokens, wall, list(first.values()),
-            peak_rss_mib(),
-        )
+        name = "flatserve LLMEngine"
+        if steady_concurrency:
+            name += f", steady (staggered, {steady_concurrency} in flight)"
+        return Result(name, len(specs), num_tokens, wall, first, peak_rss_mib())
     profiler.stop()
     kernel_us = sum(e.self_cpu_time_total for e in profiler.key_averages() if e.key in KERNEL_OPS)
     return Result(
@@ -270,6 +304,57 @@ def in_fresh_process(target, args: tuple, threads: int) -> Result | str:
     return Result(**payload) if status == "ok" else payload
 
 
+def steady_vs_synchronized(model: str, config, args, engine_args: dict) -> dict:
+    """The engine on the same requests twice per kind (text, image): all arriving at once,
+    and in the steady state (`run_engine` steady_concurrency). Mixed prompt and output
+    lengths (output from half to 1.5x --max-tokens). Prints a table; returns the rows and
+    the ratios steady / synchronized in output tokens/s."""
+    concurrency = args.steady_concurrency
+    engine_args = {**engine_args, "max_num_seqs": concurrency}
+    lo, hi = max(1, args.max_tokens // 2), max(1, args.max_tokens * 3 // 2)
+    size = args.steady_image_size
+    kinds = {
+        "text": make_specs(config, args.steady_requests, 0.0, lo, hi, args.seed),
+        "image": make_specs(
+            config, args.steady_images, 1.0, lo, hi, args.seed, image_sizes=[(size, size)]
+        ),
+    }
+    rows, ratios = [], {}
+    for kind, specs in kinds.items():
+        pair = []
+        for steady in (0, concurrency):
+            label = f"{kind}: " + ("steady" if steady else "synchronized")
+            print(f"running {label} ...", file=sys.stderr, flush=True)
+            result = in_fresh_process(
+                run_engine, (model, specs, engine_args, False, steady), args.threads
+            )
+            if isinstance(result, str):
+                print(f"  {label} failed: {result}", file=sys.stderr)
+                break
+            pair.append(result)
+            rows.append({**result.row(), "system": label})
+        if len(pair) == 2:
+            ratios[f"steady_vs_synchronized_{kind}"] = round(
+                pair[1].tokens_per_s / pair[0].tokens_per_s, 3
+            )
+    print(
+        f"\nsteady state vs synchronized: {args.steady_requests} text requests and "
+        f"{args.steady_images} with one {size}x{size} image, output {lo}-{hi} tokens, "
+        f"{concurrency} in flight"
+    )
+    header = ["run", "out tok/s", "p50 TTFT ms", "wall s"]
+    keys = ["system", "output_tokens_per_s", "p50_ttft_ms", "wall_s"]
+    widths = [
+        max(len(h), *(len(str(r[k])) for r in rows)) for h, k in zip(header, keys, strict=True)
+    ]
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
+    for row in rows:
+        print("  ".join(str(row[k]).ljust(w) for k, w in zip(keys, widths, strict=True)))
+    for key, value in ratios.items():
+        print(f"{key}: {value}")
+    return {"steady_rows": rows, **ratios}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="checkpoint folder (default: the tiny model)")
@@ -306,6 +391,17 @@ def main(argv: list[str] | None = None) -> int:
         help="also time the engine's matmul and attention kernels alone (CPU): the most any "
         "engine could reach with no overhead, as a limit beside the ratios",
     )
+    parser.add_argument(
+        "--steady",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also compare the engine in the steady state (staggered arrivals, closed loop) "
+        "with the same requests arriving at once, for text and for images",
+    )
+    parser.add_argument("--steady-concurrency", type=int, default=32)
+    parser.add_argument("--steady-requests", type=int, default=96, help="text requests")
+    parser.add_argument("--steady-images", type=int, default=32, help="image requests")
+    parser.add_argument("--steady-image-size", type=int, default=448, help="pixels per side")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parser.parse_args(argv)
 
@@ -386,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     for name, error in errors.items():
         print(f"{name}: FAILED {error}")
+    steady = steady_vs_synchronized(model, config, args, engine_args) if args.steady else {}
     if args.json:
         args.json.write_text(
             json.dumps(
@@ -402,6 +499,7 @@ def main(argv: list[str] | None = None) -> int:
                     "best_transformers": best_hf.system if best_hf else None,
                     "speedup_vs_transformers": speedup,
                     "ceiling_vs_transformers": ceiling,
+                    **steady,
                 },
                 indent=2,
             )

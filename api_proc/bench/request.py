@@ -68,7 +68,11 @@ async def send_request(client: httpx.AsyncClient, url: str, body: bytes) -> Requ
 
 
 async def _read_stream(response: httpx.Response, result: RequestResult) -> None:
+    """Read to [DONE], or to the end of a stream whose last choice chunk had a
+    finish_reason: servers such as `transformers serve` omit [DONE], and the openai client
+    accepts that too."""
     last_content_at: float | None = None
+    finished = False
     async for line in response.aiter_lines():
         if not line.startswith("data:"):
             continue  # blank separators, comments, event/id fields
@@ -77,6 +81,7 @@ async def _read_stream(response: httpx.Response, result: RequestResult) -> None:
         if data == "[DONE]":
             return
         chunk = parse_chunk(data)
+        finished = _finished(chunk, finished)
         if usage := chunk.get("usage"):
             result.completion_tokens = usage.get("completion_tokens")
             result.prompt_tokens = usage.get("prompt_tokens")
@@ -88,10 +93,19 @@ async def _read_stream(response: httpx.Response, result: RequestResult) -> None:
             result.itl_s.append(now - last_content_at)
         last_content_at = now
         result.content_chunks += 1
+    if finished:
+        return
     raise StreamFailure("incomplete stream",
                        f"the stream ended after {result.content_chunks} content chunks "
-                       "without [DONE]")
+                       "without [DONE] or a finish_reason")
 
+
+
+def _finished(chunk: dict, finished: bool) -> bool:
+    """Whether the stream has ended its choice, after this chunk."""
+    for choice in chunk.get("choices") or ():
+        finished = choice.get("finish_reason") is not None
+    return finished
 
 
 def _has_content(chunk: dict) -> bool:

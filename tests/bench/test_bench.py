@@ -32,7 +32,9 @@ class FakeServer:
     records the most chat requests in flight at once and the bodies it got."""
 
     def __init__(self, token_delay: float = 0.005, fail_every: int = 0, usage: bool = True,
-                 health: bool = True):
+                 health: bool = True, done: bool = True, cut_after: int = 0):
+        self.done = done  # end with [DONE] (transformers serve does not)
+        self.cut_after = cut_after  # close the stream after this many tokens, unfinished
         self.token_delay = token_delay
         self.fail_every = fail_every
         self.usage = usage
@@ -49,7 +51,10 @@ class FakeServer:
     async def events(self, body: dict):
         max_tokens = body["max_tokens"]
         yield self.chunk({"role": "assistant"})
-        for _ in range(max_tokens):
+        for i in range(max_tokens):
+            if self.cut_after and i == self.cut_after:
+                self.in_flight -= 1
+                return
             await asyncio.sleep(self.token_delay)
             yield self.chunk({"content": "x"})
         yield self.chunk({}, "length")
@@ -57,7 +62,8 @@ class FakeServer:
             yield self.chunk({}, usage={"prompt_tokens": 10, "completion_tokens": max_tokens})
         # done before the client can see [DONE] and send its next request
         self.in_flight -= 1
-        yield "data: [DONE]\n\n"
+        if self.done:
+            yield "data: [DONE]\n\n"
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -219,6 +225,19 @@ def test_peer_without_health_or_usage(serve_fake, tmp_path, capsys):
     assert data["prompt_tokens"] is None and data["total_tokens_per_s"] is None
     assert data["health_path"] == "/v1/models" and data["health_ms"]["p50"] > 0
     assert "no /health" in capsys.readouterr().out
+
+
+def test_streams_without_done_end_at_their_finish_reason(serve_fake, tmp_path, capsys):
+    # transformers serve ends its streams after the finish_reason chunk, with no [DONE]
+    code, data = run_main(serve_fake(FakeServer(done=False)), tmp_path, "--num-requests", "4",
+                          "--output-len", "3", "--warmup-requests", "0")
+    assert code == 0 and data["completed"] == 4 and data["errors"] == 0
+    assert data["output_tokens"] == 4 * 3
+    # a stream that stops before any finish_reason is still an incomplete one
+    code, data = run_main(serve_fake(FakeServer(done=False, cut_after=2)), tmp_path,
+                          "--num-requests", "2", "--output-len", "3", "--warmup-requests", "0")
+    assert data["completed"] == 0 and data["error_kinds"] == {"incomplete stream": 2}
+    assert "after 2 content chunks without [DONE] or a finish_reason" in data["first_error"]
 
 
 @pytest.mark.slow
