@@ -24,6 +24,7 @@ ENGINE_FLAGS = (
     "max_waiting",
     "device",
     "dtype",
+    "torch_threads",
 )
 DEFAULT_MAX_MODEL_LEN = 8192
 

@@ -29,8 +29,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.die_with_parent:
         die_with_parent()
 
+    import torch
+
     from engine_proc.engine_process import EngineProcess
 
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
+    logging.getLogger(__name__).info("torch intra-op threads: %d", torch.get_num_threads())
     process = EngineProcess(config)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: process.stop())

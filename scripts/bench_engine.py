@@ -75,11 +75,13 @@ def make_specs(
     max_tokens: int,
     seed: int,
     image_sizes: list[tuple[int, int]] = IMAGE_SIZES,
+    prompt_len: int = 0,
 ) -> list[Spec]:
+    """prompt_len: tokens of every prompt (0: drawn from 16-95)."""
     rng = np.random.default_rng(seed)
     specs = []
     for i in range(num_requests):
-        ids = rng.integers(10, 3900, int(rng.integers(16, 96))).tolist()
+        ids = rng.integers(10, 3900, prompt_len or int(rng.integers(16, 96))).tolist()
         sizes = []
         if rng.random() < image_fraction:
             h, w = image_sizes[int(rng.integers(len(image_sizes)))]
@@ -307,14 +309,18 @@ def in_fresh_process(target, args: tuple, threads: int) -> Result | str:
 def steady_vs_synchronized(model: str, config, args, engine_args: dict) -> dict:
     """The engine on the same requests twice per kind (text, image): all arriving at once,
     and in the steady state (`run_engine` steady_concurrency). Mixed prompt and output
-    lengths (output from half to 1.5x --max-tokens). Prints a table; returns the rows and
-    the ratios steady / synchronized in output tokens/s."""
+    lengths (output within --steady-output-spread of --max-tokens). Prints a table; returns
+    the rows and the ratios steady / synchronized in output tokens/s."""
     concurrency = args.steady_concurrency
     engine_args = {**engine_args, "max_num_seqs": concurrency}
-    lo, hi = max(1, args.max_tokens // 2), max(1, args.max_tokens * 3 // 2)
+    spread = args.steady_output_spread
+    lo = max(1, round(args.max_tokens * (1 - spread)))
+    hi = max(lo, round(args.max_tokens * (1 + spread)))
     size = args.steady_image_size
     kinds = {
-        "text": make_specs(config, args.steady_requests, 0.0, lo, hi, args.seed),
+        "text": make_specs(
+            config, args.steady_requests, 0.0, lo, hi, args.seed, prompt_len=args.prompt_len
+        ),
         "image": make_specs(
             config, args.steady_images, 1.0, lo, hi, args.seed, image_sizes=[(size, size)]
         ),
@@ -402,6 +408,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steady-requests", type=int, default=96, help="text requests")
     parser.add_argument("--steady-images", type=int, default=32, help="image requests")
     parser.add_argument("--steady-image-size", type=int, default=448, help="pixels per side")
+    parser.add_argument(
+        "--steady-output-spread",
+        type=float,
+        default=0.5,
+        help="steady runs draw output lengths from max_tokens * [1 - s, 1 + s]",
+    )
+    parser.add_argument(
+        "--prompt-len", type=int, default=0, help="tokens of every text prompt (0: 16-95 mixed)"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parser.parse_args(argv)
 
@@ -412,7 +427,13 @@ def main(argv: list[str] | None = None) -> int:
     config = load_model_config(model)
     min_tokens = args.max_tokens if args.min_tokens is None else args.min_tokens
     specs = make_specs(
-        config, args.num_requests, args.image_fraction, min_tokens, args.max_tokens, args.seed
+        config,
+        args.num_requests,
+        args.image_fraction,
+        min_tokens,
+        args.max_tokens,
+        args.seed,
+        prompt_len=args.prompt_len,
     )
     engine_args = dict(
         max_num_seqs=args.max_num_seqs,

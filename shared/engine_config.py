@@ -24,6 +24,9 @@ class EngineConfig:
     max_waiting: int = opt(4096, "most requests queued in the engine before it refuses more")
     device: str | None = opt(None, "torch device (default: cuda if available, else cpu)")
     dtype: str | None = opt(None, "weights and activations dtype (default: the checkpoint's)")
+    torch_threads: int = opt(
+        0, "torch intra-op threads of each engine (0: torch's default, one per core, or "
+        "OMP_NUM_THREADS when set)")
     log_level: str = opt("info", "log level")
 
     def __post_init__(self) -> None:
@@ -31,7 +34,8 @@ class EngineConfig:
                      "block_size", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes", "rank"):
+        for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes", "rank",
+                     "torch_threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
 

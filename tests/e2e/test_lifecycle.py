@@ -115,10 +115,16 @@ def test_stop_leaves_no_process_or_socket_file(tmp_path, sig):
 
 
 def test_two_engines_share_the_load(tmp_path):
-    proc = ServerProcess("--engines", "2", log_path=tmp_path / "server.log").wait_ready()
+    # one torch thread each: two engines on a 2-core machine, not four threads fighting
+    log = tmp_path / "server.log"
+    proc = ServerProcess("--engines", "2", "--torch-threads", "1", log_path=log).wait_ready()
     try:
         engines = httpx.get(proc.url + "/health").json()["engines"]
         assert len(engines) == 2 and all(e["ok"] for e in engines)
+        lines = log.read_text().splitlines()
+        for rank in (0, 1):
+            assert any(f" engine{rank} " in line and "torch intra-op threads: 1" in line
+                       for line in lines), proc.log_tail()
         body = {"messages": [{"role": "user", "content": "count"}], "max_tokens": 24,
                 "ignore_eos": True}
 
