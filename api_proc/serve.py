@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 
 from api_proc.cli import DEFAULT_MAX_MODEL_LEN, ENGINE_FLAGS
@@ -54,6 +55,9 @@ def run_server(args: argparse.Namespace) -> int:
         raise SystemExit("--engines must be at least 1")
     ipc_dir = IpcDir(prefix="flatserve-")
     engine_kwargs = {name: getattr(args, name) for name in ENGINE_FLAGS}
+    if num_spawned > 1 and not engine_kwargs["torch_threads"] and "OMP_NUM_THREADS" not in os.environ:
+        # engines on one host share its cores instead of each taking all of them
+        engine_kwargs["torch_threads"] = max(1, len(os.sched_getaffinity(0)) // num_spawned)
     configs = [
         EngineConfig(model=model, address=ipc_dir.address(f"engine{rank}"), rank=rank,
                      max_model_len=max_model_len, log_level=args.log_level, **engine_kwargs)

@@ -24,7 +24,8 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *flags: str, module: str = "api_proc.cli", log_path: Path | None = None):
+    def __init__(self, *flags: str, module: str = "api_proc.cli", log_path: Path | None = None,
+                 env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -32,7 +33,7 @@ class ServerProcess:
         command = [sys.executable, "-m", module, "serve", "--port", str(self.port),
                    *SMALL_ENGINE_FLAGS, *flags]
         self.process = subprocess.Popen(command, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
-                                        env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                        env=dict(env or os.environ, PYTHONUNBUFFERED="1"))
 
     def log_tail(self, n: int = 3000) -> str:
         if not self.log_path:
