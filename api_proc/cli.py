@@ -25,6 +25,7 @@ ENGINE_FLAGS = (
     "device",
     "dtype",
     "torch_threads",
+    "engine_nice",
 )
 DEFAULT_MAX_MODEL_LEN = 8192
 

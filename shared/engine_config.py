@@ -27,6 +27,9 @@ class EngineConfig:
     torch_threads: int = opt(
         0, "torch intra-op threads of each engine (0: torch's default, one per core, or "
         "OMP_NUM_THREADS when set)")
+    engine_nice: int = opt(
+        -1, "niceness added to each engine process (-1: 10 when it computes on the CPU, so "
+        "the API's event loop and image decoding preempt model math; 0 on a GPU)")
     log_level: str = opt("info", "log level")
 
     def __post_init__(self) -> None:
@@ -38,6 +41,9 @@ class EngineConfig:
                      "torch_threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
+
+        if not -1 <= self.engine_nice <= 19:
+            raise ValueError(f"engine_nice must be -1 (auto) or 0-19, got {self.engine_nice}")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

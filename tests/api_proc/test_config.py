@@ -59,3 +59,16 @@ def test_cli_defaults_come_from_the_dataclass(tiny_model_path):
     assert config.allow_private_media_addresses is True
     assert config.admission_timeout_s == 2.5
     assert config.engine_addresses == ("ipc:///tmp/e0.sock",)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"max_num_seqs": 0}, "max_num_seqs"),
+    ({"torch_threads": -1}, "torch_threads"),
+    ({"engine_nice": 20}, "engine_nice"),
+    ({"engine_nice": -2}, "engine_nice"),
+])
+def test_bad_engine_settings_are_refused(kw, match):
+    from shared.engine_config import EngineConfig
+
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(model="m", **kw)
