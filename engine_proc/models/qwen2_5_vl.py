@@ -7,6 +7,7 @@ embeddings over the placeholder rows, and runs `forward` with the attention Cont
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -60,6 +61,24 @@ def _local_name(name: str) -> tuple[str, int | None]:
     return name, None
 
 
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    index = folder / INDEX_FILE
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / name for name in names]
+        absent = [name for name in names if not (folder / name).is_file()]
+        if absent:
+            raise FileNotFoundError(f"{index} names shards that are not there: {absent[:3]}")
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    return files
+
+
 class Qwen2_5_VLForConditionalGeneration(nn.Module):
     def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__()
@@ -83,10 +102,11 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         self.eval()
 
     def load_weights(self, path: str | Path) -> None:
-        """Load every *.safetensors file in `path` (one or many shards) by tensor name."""
-        files = sorted(Path(path).glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors in {path}")
+        """Load the checkpoint in `path` by tensor name: the shards that
+        model.safetensors.index.json names when it is there (as transformers does: other
+        *.safetensors beside them, such as a consolidated copy, are not this checkpoint),
+        else every *.safetensors file."""
+        files = checkpoint_files(Path(path))
         params = dict(self.named_parameters())
         tied = self.config.text.tie_word_embeddings
         needed: set[tuple[str, int | None]] = set()

@@ -6,6 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from engine_proc.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from shared.model_config import load_model_config
@@ -106,6 +107,24 @@ def test_streamed_preset_loads_in_flatserve_and_transformers(tmp_path, tiny_mode
     assert hf.dtype == torch.bfloat16
     assert hf.lm_head.weight.data_ptr() == hf.model.language_model.embed_tokens.weight.data_ptr()
     assert torch.equal(hf.model.language_model.embed_tokens.weight, embed)
+
+
+def test_the_index_names_the_shards_that_load(tmp_path):
+    """A consolidated copy beside indexed shards is not loaded twice (transformers reads the
+    index too); an index naming a shard that is not there fails by name."""
+    import shutil
+
+    preset = _shrunk(QWEN2_5_VL_3B)
+    folder = write_checkpoint(tmp_path / "m", preset, max_shard_bytes=200_000)
+    stray = folder / "consolidated.safetensors"
+    save_file({"model.unrelated.weight": torch.zeros(2)}, str(stray))
+    model = Qwen2_5_VLForConditionalGeneration(load_model_config(folder), torch.device("cpu"),
+                                               torch.bfloat16)
+    model.load_weights(folder)  # the stray tensor would raise "has no place in the model"
+    shard = sorted(folder.glob("model-*.safetensors"))[0]
+    shutil.move(shard, tmp_path / shard.name)
+    with pytest.raises(FileNotFoundError, match="names shards that are not there"):
+        model.load_weights(folder)
 
 
 def test_streamed_weights_are_the_same_on_every_run(tmp_path):
