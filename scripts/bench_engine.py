@@ -327,6 +327,8 @@ def steady_vs_synchronized(model: str, config, args, engine_args: dict) -> dict:
     }
     rows, ratios = [], {}
     for kind, specs in kinds.items():
+        if not specs:
+            continue  # --steady-requests 0 or --steady-images 0
         pair = []
         for steady in (0, concurrency):
             label = f"{kind}: " + ("steady" if steady else "synchronized")
