@@ -7,8 +7,6 @@ import contextlib
 import sys
 from collections.abc import Iterator
 
-import httpx
-
 from api_proc.bench.config import BenchConfig, parse_args
 from api_proc.bench.health import HealthPoller, ServerUnreachable, health_path
 from api_proc.bench.load import Load
@@ -17,7 +15,13 @@ from api_proc.bench.request import RequestResult
 from api_proc.bench.stats import BenchResult, summarize
 from api_proc.bench.workload import build_bodies
 from api_proc.soak.config import passthrough_value
-from api_proc.soak.server import ManagedServer, ServerStartError, sigterm_as_interrupt
+from api_proc.soak.server import (
+    ManagedServer,
+    NoModelId,
+    ServerStartError,
+    first_model,
+    sigterm_as_interrupt,
+)
 
 
 class BenchError(RuntimeError):
@@ -26,16 +30,6 @@ class BenchError(RuntimeError):
 
 def _log(message: str) -> None:
     print(f"bench: {message}", file=sys.stderr, flush=True)
-
-
-def first_model(base_url: str, headers: dict[str, str]) -> str:
-    try:
-        response = httpx.get(base_url + "/v1/models", headers=headers, timeout=10.0)
-        response.raise_for_status()
-        return response.json()["data"][0]["id"]
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as err:
-        raise BenchError(f"could not read a model id from {base_url}/v1/models ({err!r}); "
-                         "pass --model") from None
 
 
 class _ProgressBar:
@@ -98,7 +92,10 @@ def run_bench(config: BenchConfig) -> BenchResult:
             path = health_path(base_url, headers)
         except ServerUnreachable as err:
             raise BenchError(str(err)) from None
-        model = config.model or first_model(base_url, headers)
+        try:
+            model = config.model or first_model(base_url, headers)
+        except NoModelId as err:
+            raise BenchError(str(err)) from None
         _log(f"model {model!r} at {base_url}; timing GET {path} every "
              f"{config.health_interval_s:g} s during the run")
         bodies = build_bodies(config, model, range(config.num_requests + config.warmup_requests))

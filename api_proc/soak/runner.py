@@ -10,15 +10,20 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
-
 from api_proc.soak.config import SoakConfig, parse_args, parse_bytes, passthrough_value
 from api_proc.soak.images import ImagePool
 from api_proc.soak.load import LoadGenerator, LoadStats
 from api_proc.soak.processes import listening_pid, make_targets, tree_pids
 from api_proc.soak.report import write_csv, write_json, write_plot
 from api_proc.soak.sampler import MB, RssSampler
-from api_proc.soak.server import ManagedServer, ServerStartError, log_tail, sigterm_as_interrupt
+from api_proc.soak.server import (
+    ManagedServer,
+    NoModelId,
+    ServerStartError,
+    first_model,
+    log_tail,
+    sigterm_as_interrupt,
+)
 from api_proc.soak.summary import Summary, format_table, summarize
 
 
@@ -28,16 +33,6 @@ class SoakError(RuntimeError):
 
 def _log(message: str) -> None:
     print(f"soak: {message}", file=sys.stderr, flush=True)
-
-
-def first_model(url: str, headers: dict[str, str]) -> str:
-    try:
-        response = httpx.get(url + "/v1/models", headers=headers, timeout=10.0)
-        response.raise_for_status()
-        return response.json()["data"][0]["id"]
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as err:
-        raise SoakError(f"could not read a model id from {url}/v1/models ({err!r}); "
-                        "pass --model") from None
 
 
 def started_server_budget_mb(config: SoakConfig) -> float | None:
@@ -126,7 +121,10 @@ def run_soak(config: SoakConfig, on_sample: Callable[[RssSampler], None] | None 
                 headers = {"Authorization": f"Bearer {key}"}
         else:
             url, pids = config.url, _sampled_pids(config)
-        model = config.model or first_model(url, headers)
+        try:
+            model = config.model or first_model(url, headers)
+        except NoModelId as err:
+            raise SoakError(str(err)) from None
         targets = make_targets(pids)
         _log(f"model {model!r} at {url}; sampling "
              + ", ".join(f"{t.role} (pid {t.pid})" for t in targets))

@@ -34,6 +34,21 @@ def sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+class NoModelId(RuntimeError):
+    """GET /v1/models did not name a model."""
+
+
+def first_model(url: str, headers: dict[str, str]) -> str:
+    """The first model id a server lists at /v1/models; NoModelId when there is none."""
+    try:
+        response = httpx.get(url + "/v1/models", headers=headers, timeout=10.0)
+        response.raise_for_status()
+        return response.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as err:
+        raise NoModelId(f"could not read a model id from {url}/v1/models ({err!r}); "
+                        "pass --model") from None
+
+
 class ServerStartError(RuntimeError):
     pass
 
