@@ -63,12 +63,6 @@ class Reservation:
         """Keep only `nbytes` (e.g. the resized pixels once decoding is done)."""
         self.release(max(0, self.nbytes - nbytes))
 
-    async def __aenter__(self) -> Reservation:
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        self.release()
-
 
 class _Expired(Exception):
     pass
@@ -115,8 +109,7 @@ class AdmissionController:
     async def acquire(self, nbytes: int, timeout_s: float | None = None, *,
                       priority: bool = False) -> Reservation:
         """Reserve nbytes, waiting in FIFO order (ahead of every non-priority waiter when
-        `priority`). Use as `async with await acquire(n):` or call `release()` on the result
-        in a `finally`."""
+        `priority`). Call `release()` on the result in a `finally`."""
         if nbytes > self.budget_bytes:
             raise PayloadTooLargeError(
                 f"the request's images need {nbytes} bytes to decode and resize; the whole "

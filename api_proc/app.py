@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP app: `build_app(config) -> FastAPI`.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
-GET /metrics. Request bodies are read by the pipeline itself (api_proc/serving.py), not by
+GET /metrics. Request bodies are read by the pipeline itself (api_proc/request_body.py), not by
 FastAPI's body parameters: FastAPI's route wrapper keeps the parsed body in its frame while a
 streaming response runs, which would pin every base64 image for the whole stream (R1).
 """
@@ -26,7 +26,9 @@ from api_proc.media_loader import MediaLoader
 from api_proc.metrics import Metrics
 from api_proc.prompt_builder import PromptBuilder
 from api_proc.protocol import ModelCard, ModelList
-from api_proc.serving import ClientGone, Prepared, RequestBody, Serving, read_body
+from api_proc.request_body import ClientGone, RequestBody, read_body
+from api_proc.responses import ResponseWriter
+from api_proc.serving import Prepared, Serving
 from shared.model_config import load_model_config
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -70,12 +72,13 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
     builder = PromptBuilder(config.model, model_config, config.max_model_len)
     loader = media_loader or MediaLoader(config, model_config.image)
     admission = AdmissionController(config.mm_inflight_budget, config.admission_timeout_s)
-    engines = engine_client or EngineClient.connect(
-        config.engine_addresses, engine_processes, call_timeout_s=config.engine_call_timeout_s)
+    engines = engine_client or EngineClient.connect(config.engine_addresses, engine_processes)
     metrics = Metrics(num_waiting=lambda: admission.num_waiting,
                       num_running=lambda: engines.num_in_flight,
-                      mm_inflight_bytes=lambda: admission.in_flight_bytes)
+                      mm_inflight_bytes=lambda: admission.in_flight_bytes,
+                      mm_inflight_budget=config.mm_inflight_budget)
     serving = Serving(config, builder, loader, admission, engines, metrics)
+    responses = ResponseWriter(metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -126,10 +129,10 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
             body = None
         if prepared.stream:
             return StreamingResponse(
-                serving.stream(prepared, lambda status: metrics.count_request(endpoint, status)),
+                responses.stream(prepared, lambda status: metrics.count_request(endpoint, status)),
                 media_type="text/event-stream", headers=SSE_HEADERS)
         try:
-            body = await run_until_disconnect(request, serving.collect(prepared))
+            body = await run_until_disconnect(request, responses.collect(prepared))
         except APIError as e:
             metrics.count_request(endpoint, e.status)
             return error_response(e)

@@ -44,7 +44,6 @@ class ApiConfig:
     media_workers: int = opt(0, "threads decoding and resizing images (0: min(4, cpus))")
     max_n: int = opt(16, "most choices (n) per request")
     engine_addresses: tuple[str, ...] = opt((), "engine RPC addresses (ipc:// or tcp://)")
-    engine_call_timeout_s: float = opt(5.0, "deadline for unary engine calls (abort, stats, health)")
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -64,7 +63,7 @@ class ApiConfig:
                      "mm_inflight_budget", "max_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("admission_timeout_s", "media_fetch_timeout_s", "engine_call_timeout_s"):
+        for name in ("admission_timeout_s", "media_fetch_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.allowed_media_domains is not None:
@@ -79,8 +78,8 @@ class ApiConfig:
             object.__setattr__(self, "allowed_local_media_path", str(root.resolve()))
         object.__setattr__(self, "engine_addresses", tuple(self.engine_addresses))
         for addr in self.engine_addresses:
-            if not addr.startswith(("ipc://", "tcp://", "inproc://")):
-                raise ValueError(f"engine address {addr!r} must start with ipc://, tcp:// or inproc://")
+            if not addr.startswith(("ipc://", "tcp://")):
+                raise ValueError(f"engine address {addr!r} must start with ipc:// or tcp://")
 
     @property
     def num_media_workers(self) -> int:

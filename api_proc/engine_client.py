@@ -1,15 +1,16 @@
-"""The API process's view of the engines: one RpcClient each, least-loaded routing.
+"""The API process's side of the engines: one connection each, least-loaded routing, and
+every request's outputs.
 
-    stream = engine_client.submit(request)   # takes ownership of the request (R1)
-    request = None
-    async for output in stream: ...          # RequestOutput items; aclose() aborts
+    stream = engines.submit(AddRequest(...))  # sent before it returns; keeps only ids (R1)
+    async for output in stream: ...           # RequestOutputs; aclose() aborts the request
 
-or, as one async generator, `async for output in engine_client.generate(request)`.
-
-R1: `submit` hands the request to `RpcClient.stream(...)` and keeps only its id and token
-counts; the rpc stream drops its own reference once the envelope is posted, and zmq drops
-the pixel frames once they are sent. No frame, closure or exception here holds the request
-after that, and errors raised here are rebuilt from text, never chained to a payload.
+One reader per engine receives its StepOutputs (one per engine step) and hands each output
+to its request's stream. A stream holds at most its undelivered tokens: outputs that arrive
+while its consumer is busy are merged into one, never queued one by one, so a slow HTTP
+client costs memory bounded by its max_tokens. An engine that dies (its process exits, or it
+leaves pings unanswered for heartbeat_timeout_s) fails all of its requests at once with a
+typed 503; its connection starts over on a fresh socket and the engine is used again once it
+answers.
 """
 
 from __future__ import annotations
@@ -17,241 +18,405 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+import time
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import zmq
+
 from api_proc.admission import Reservation
-from api_proc.errors import (
-    APIError,
-    BadRequestError,
-    EngineError,
-    EngineUnavailableError,
+from api_proc.errors import APIError, BadRequestError, EngineError, EngineUnavailableError
+from rpc.codec import DecodeError, decode, encode
+from rpc.sockets import check_address, make_socket
+from shared.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineStats,
+    ErrorCode,
+    Ping,
+    RequestOutput,
+    StepOutputs,
 )
-from rpc import Codec, DeadlineExceeded, RemoteError, RpcClient, RpcError, ServerUnavailable
-from shared.messages import WIRE_TYPES, EngineStats, GenerateRequest, RequestOutput
 
 logger = logging.getLogger(__name__)
 
+HEARTBEAT_INTERVAL_S = 0.2
+HEARTBEAT_TIMEOUT_S = 1.0
+_POLLIN = int(zmq.POLLIN)
+_EVENTS = int(zmq.EVENTS)
+_NOBLOCK = int(zmq.NOBLOCK)
 
-@dataclass(eq=False)
-class EngineHandle:
-    """One engine and the work this API process has routed to it."""
 
-    address: str
-    rpc: Any  # RpcClient (or anything with call / stream / available / close)
-    process: Any = None  # the engine's Popen when this process launched it
-    num_requests: int = 0
-    num_tokens: int = 0  # prompt tokens not yet prefilled + completion tokens not yet made
-    last_error: str | None = None
-    aborts: set = field(default_factory=set)
+class EngineConnection:
+    """One engine: its DEALER socket, liveness, stats and the streams routed to it. Belongs
+    to the event loop that opened it."""
+
+    def __init__(self, address: str, process: Any = None, *,
+                 heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
+                 heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S) -> None:
+        check_address(address)
+        self.address = address
+        self.process = process  # the engine's Popen when this process launched it
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        # weak: a stream dropped unconsumed (its client left before the response started)
+        # is noticed by its finalizer and aborted, instead of running on to max_tokens
+        self.streams: weakref.WeakValueDictionary[str, RequestStream] = \
+            weakref.WeakValueDictionary()
+        self.on_request_end: Callable[[], None] = lambda: None
+        self.num_tokens = 0  # prompt tokens not yet prefilled + completion tokens not yet made
+        self.stats: EngineStats | None = None
+        self.answered = False
+        self.lost_reason: str | None = "not connected yet"
+        self._ready = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._sock: zmq.Socket | None = None
+        self._heartbeat: asyncio.Task | None = None
+        self._unanswered_since: float | None = None
+        self._num_unsettled = 0  # streams dropped unended whose abort is not sent yet
+
+    @property
+    def available(self) -> bool:
+        return self.lost_reason is None and self.death_reason() is None
+
+    @property
+    def has_room(self) -> bool:
+        num_requests = len(self.streams) + self._num_unsettled
+        return self.stats is None or num_requests < self.stats.max_requests
 
     def death_reason(self) -> str | None:
-        """Why this engine cannot serve, or None while it can (as far as we know)."""
         if self.process is not None and self.process.poll() is not None:
             return f"engine process exited with code {self.process.returncode}"
-        if not getattr(self.rpc, "available", True) and self.last_error:
-            return self.last_error
         return None
+
+    def open(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._open_socket()
+        self._heartbeat = self._loop.create_task(self._beat())
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        await asyncio.wait_for(self._ready.wait(), timeout_s)
+
+    async def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        if self.streams:  # the engine stops them now, not when it notices this process is gone
+            self.send(AbortRequests(list(self.streams)))
+        self._fail_all(EngineUnavailableError("the API server is shutting down"))
+        self._close_socket()
+
+    def send(self, message: AddRequest | AbortRequests | Ping) -> bool:
+        """Send at once (zmq keeps the pixel frames until they are out); False when the
+        engine is not connected or its pipe is full."""
+        if self._sock is None:
+            return False
+        try:
+            self._sock.send_multipart(encode(message), _NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        finally:
+            self._kick()  # a send can consume the edge of a message that arrived meanwhile
+        return True
+
+    # ---- receiving
+
+    def _open_socket(self) -> None:
+        self._sock = make_socket(zmq.Context.instance(), zmq.DEALER)
+        self._sock.connect(self.address)
+        self._loop.add_reader(self._sock.getsockopt(zmq.FD), self._drain)
+        self._kick()
+
+    def _close_socket(self) -> None:
+        if self._sock is not None:
+            self._loop.remove_reader(self._sock.getsockopt(zmq.FD))
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def _kick(self) -> None:
+        if self._sock is not None and self._sock.getsockopt(_EVENTS) & _POLLIN:
+            self._loop.call_soon(self._drain)
+
+    def _drain(self) -> None:
+        """zmq's FD is edge-triggered: read until the socket says no input is left."""
+        for _ in range(256):
+            sock = self._sock
+            if sock is None or not sock.getsockopt(_EVENTS) & _POLLIN:
+                return
+            try:
+                frames = sock.recv_multipart(_NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                message = decode(frames)
+            except DecodeError as e:
+                logger.error("engine %s sent a malformed message: %s", self.address, e)
+                continue
+            if type(message) is StepOutputs:
+                self._on_step(message)
+        self._loop.call_soon(self._drain)  # more is waiting: let other work run first
+
+    def _on_step(self, step: StepOutputs) -> None:
+        self._unanswered_since = None
+        if step.stats is not None:
+            self.stats = step.stats
+        if self.lost_reason is not None:
+            self.lost_reason = None
+            self.answered = True
+            self._ready.set()
+        streams = self.streams
+        for output in step.outputs:
+            stream = streams.get(output.request_id)
+            if stream is not None:
+                stream._push(output)
+
+    # ---- liveness
+
+    async def _beat(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval_s)
+            reason = self.death_reason()
+            if reason is not None:
+                if self.lost_reason != reason:
+                    self._lose(reason)
+                continue
+            if self._sock is not None and self._sock.getsockopt(_EVENTS) & _POLLIN:
+                self._kick()  # replies are waiting: this loop was busy, the engine was not
+                continue
+            # silence counts from the first ping after the last answer: a stall of this
+            # loop (no pings sent) says nothing about the engine
+            if self._unanswered_since is None:
+                self._unanswered_since = time.monotonic()
+            elif (self.lost_reason is None
+                  and time.monotonic() - self._unanswered_since > self.heartbeat_timeout_s):
+                self._lose(f"no answer to pings for {self.heartbeat_timeout_s} s")
+            self.send(Ping())
+
+    def _lose(self, reason: str) -> None:
+        """Fail everything routed to this engine; start over on a fresh socket (a new
+        identity: nothing stale reaches the engine that answers next)."""
+        if self.lost_reason is None:
+            logger.warning("engine %s unavailable: %s", self.address, reason)
+        self.lost_reason = reason
+        self._ready.clear()
+        self._unanswered_since = None
+        self._fail_all(EngineUnavailableError(f"engine unavailable: {reason}"))
+        self._close_socket()
+        self._open_socket()
+
+    def _fail_all(self, error: APIError) -> None:
+        for stream in list(self.streams.values()):
+            stream._fail(error)
+
+    def _forget(self, request_id: str, budget: int, reservation: Reservation | None) -> None:
+        """Settle a stream dropped before it ended; runs in whatever thread dropped it."""
+        def settle() -> None:
+            self.num_tokens -= budget
+            if reservation is not None:
+                reservation.release()
+            self.send(AbortRequests([request_id]))  # before its room shows as free
+            self._num_unsettled -= 1
+            self.on_request_end()
+        self._num_unsettled += 1
+        try:
+            self._loop.call_soon_threadsafe(settle)
+        except (AttributeError, RuntimeError):  # never opened, or the loop is closed
+            self._num_unsettled -= 1
 
 
 class EngineClient:
-    def __init__(self, engines: Sequence[EngineHandle], call_timeout_s: float = 5.0):
+    """Routes each request to the usable engine with the least outstanding work."""
+
+    def __init__(self, engines: Sequence[EngineConnection]) -> None:
         self.engines = list(engines)
-        self.call_timeout_s = call_timeout_s
         self._rr = itertools.count()
-        self._background: set[asyncio.Task] = set()
+        self._room_freed = asyncio.Event()
+        self._num_waiting_for_room = 0
+        for engine in self.engines:
+            engine.on_request_end = self._request_ended
 
     @classmethod
     def connect(cls, addresses: Sequence[str], processes: Sequence[Any] | None = None,
-                call_timeout_s: float = 5.0, **rpc_kwargs) -> EngineClient:
-        codec = Codec(types=WIRE_TYPES)
+                **kwargs: Any) -> EngineClient:
         procs = list(processes or [])
-        engines = [EngineHandle(a, RpcClient(a, codec, **rpc_kwargs),
-                                procs[i] if i < len(procs) else None)
-                   for i, a in enumerate(addresses)]
-        return cls(engines, call_timeout_s)
+        return cls([EngineConnection(a, procs[i] if i < len(procs) else None, **kwargs)
+                    for i, a in enumerate(addresses)])
 
     async def start(self, timeout_s: float = 10.0) -> None:
-        """Attach every RpcClient to this loop and wait (bounded) until each answers."""
-        async def ready(engine: EngineHandle) -> None:
-            try:
-                await engine.rpc.wait_ready(timeout_s)
-            except RpcError as e:
-                engine.last_error = f"not reachable at start: {e}"
-                logger.warning("engine %s %s", engine.address, engine.last_error)
-        await asyncio.gather(*(ready(e) for e in self.engines))
+        """Connect every engine and wait (bounded) until each answers."""
+        for engine in self.engines:
+            engine.open()
+        results = await asyncio.gather(*(e.wait_ready(timeout_s) for e in self.engines),
+                                       return_exceptions=True)
+        for engine, result in zip(self.engines, results, strict=True):
+            if isinstance(result, BaseException):
+                logger.warning("engine %s not answering %.0f s after start", engine.address,
+                               timeout_s)
 
     async def close(self) -> None:
-        for task in list(self._background):
-            task.cancel()
-        await asyncio.gather(*(e.rpc.close() for e in self.engines), return_exceptions=True)
-
-    # -- routing
+        await asyncio.gather(*(e.close() for e in self.engines))
 
     @property
     def num_in_flight(self) -> int:
-        return sum(e.num_requests for e in self.engines)
+        return sum(len(e.streams) for e in self.engines)
 
-    def pick(self) -> EngineHandle:
-        """The usable engine with the least outstanding work (tokens, then requests)."""
+    def pick(self) -> EngineConnection:
+        """The usable engine with room and the least outstanding work (tokens, then
+        requests, then round robin); 503 when none is usable."""
         if not self.engines:
             raise EngineUnavailableError("no engine is configured")
-        rr = next(self._rr)
-        n = len(self.engines)
-        usable = [(e.num_tokens, e.num_requests, (i - rr) % n, e)
-                  for i, e in enumerate(self.engines)
-                  if e.death_reason() is None and getattr(e.rpc, "available", True)]
+        rr, n = next(self._rr), len(self.engines)
+        usable = [(not e.has_room, e.num_tokens, len(e.streams), (i - rr) % n, e)
+                  for i, e in enumerate(self.engines) if e.available]
         if not usable:
-            reasons = "; ".join(f"{e.address}: {e.death_reason() or 'not answering'}"
+            reasons = "; ".join(f"{e.address}: {e.death_reason() or e.lost_reason}"
                                 for e in self.engines)
             raise EngineUnavailableError(f"no engine is available ({reasons})")
-        return min(usable, key=lambda t: t[:3])[3]
+        return min(usable, key=lambda t: t[:4])[4]
 
-    # -- requests
+    async def wait_for_room(self, timeout_s: float) -> None:
+        """Wait until an engine can take one more request (engines refuse past their
+        capacity; requests wait here instead, holding their admission bytes)."""
+        deadline = time.monotonic() + timeout_s
+        self._num_waiting_for_room += 1
+        try:
+            while not self.pick().has_room:
+                self._room_freed.clear()
+                left = deadline - time.monotonic()
+                try:
+                    await asyncio.wait_for(self._room_freed.wait(), max(left, 0))
+                except TimeoutError:
+                    raise EngineUnavailableError(
+                        f"every engine holds its maximum of requests for {timeout_s} s",
+                        code="engine_busy") from None
+        finally:
+            self._num_waiting_for_room -= 1
 
-    def submit(self, request: GenerateRequest, mm_reservation: Reservation | None = None
+    def submit(self, request: AddRequest, mm_reservation: Reservation | None = None
                ) -> RequestStream:
-        """Start `request` on the least-loaded engine. Takes ownership: the caller drops its
-        references; only the rpc layer holds the payload from here until it is sent (R1).
-        `mm_reservation` (the admission bytes of the request's pixels) is released when the
-        first output arrives, i.e. once the engine has freed the pixels (R3), or when the
-        stream ends before that."""
-        request_id = request.request_id
-        prompt_tokens = len(request.prompt_token_ids)
-        max_tokens = request.sampling.max_tokens
+        """Send `request` to the least-loaded engine before returning; keep only its id and
+        token counts. `mm_reservation` (its pixels' admission bytes) is released at its
+        first output, when the engine has freed the pixels (R3), or when it ends earlier."""
         try:
             engine = self.pick()
-            rpc_stream = engine.rpc.stream("generate", request)
+            stream = RequestStream(engine, request.request_id,
+                                   len(request.prompt_token_ids), request.sampling.max_tokens,
+                                   mm_reservation)
         except BaseException:
             if mm_reservation is not None:
-                mm_reservation.release()  # owned from the call on, like the request
+                mm_reservation.release()
             raise
-        request = None  # noqa: F841 (R1: the rpc stream owns it now)
-        return RequestStream(self, engine, request_id, rpc_stream, prompt_tokens, max_tokens,
-                             mm_reservation)
+        if not engine.send(request):
+            stream._fail(EngineUnavailableError(f"engine {engine.address} is not taking requests"))
+        return stream
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        stream = self.submit(request)
-        request = None  # noqa: F841 (R1)
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            await stream.aclose()
-
-    async def abort(self, engine: EngineHandle, request_id: str) -> None:
-        try:
-            await engine.rpc.call("abort", request_id, timeout=self.call_timeout_s)
-        except (RpcError, OSError) as e:
-            logger.debug("abort of %s on %s failed: %s", request_id, engine.address, e)
-
-    def abort_soon(self, engine: EngineHandle, request_id: str) -> None:
-        """Fire-and-forget abort: safe from finally blocks and cancelled tasks."""
-        try:
-            task = asyncio.get_running_loop().create_task(self.abort(engine, request_id))
-        except RuntimeError:  # no running loop (interpreter shutdown)
-            return
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    # -- status
+    def _request_ended(self) -> None:
+        if self._num_waiting_for_room:
+            self._room_freed.set()
 
     async def health(self) -> list[dict]:
         """One entry per engine: {"address", "ok", "reason", "num_requests"}."""
-        async def check(engine: EngineHandle) -> dict:
-            reason = engine.death_reason()
-            if reason is None:
-                try:
-                    await engine.rpc.call("health", timeout=self.call_timeout_s)
-                    engine.last_error = None
-                except (RpcError, OSError) as e:
-                    reason = f"{type(e).__name__}: {e}"
-            return {"address": engine.address, "ok": reason is None, "reason": reason,
-                    "num_requests": engine.num_requests}
-        return list(await asyncio.gather(*(check(e) for e in self.engines)))
-
-    async def stats(self) -> list[EngineStats | None]:
-        async def one(engine: EngineHandle) -> EngineStats | None:
-            try:
-                return await engine.rpc.call("stats", timeout=self.call_timeout_s)
-            except (RpcError, OSError):
-                return None
-        return list(await asyncio.gather(*(one(e) for e in self.engines)))
+        return [{"address": e.address, "ok": e.available,
+                 "reason": e.death_reason() or e.lost_reason, "num_requests": len(e.streams)}
+                for e in self.engines]
 
 
-def _engine_error(engine: EngineHandle, exc: BaseException) -> APIError:
-    """Map an rpc failure to the API error a client should see (built from text only)."""
-    if isinstance(exc, ServerUnavailable):
-        engine.last_error = str(exc)
-        return EngineUnavailableError(f"engine unavailable: {exc}")
-    if isinstance(exc, DeadlineExceeded):
-        return EngineError(f"engine did not answer in time: {exc}", code="engine_timeout")
-    if isinstance(exc, RemoteError):
-        message = exc.message or exc.type_name
-        if "queue is full" in message:
-            return EngineUnavailableError(f"engine busy: {message}", code="engine_busy")
-        if "RequestRejected" in message or exc.type_name in ("RequestRejected", "ValueError"):
-            return BadRequestError(f"engine refused the request: {message}",
-                                   code="engine_rejected")
-        return EngineError(f"engine error: {exc.type_name}: {message}")
-    return EngineError(f"engine error: {type(exc).__name__}: {exc}")
+_ERRORS: dict[int, tuple[type[APIError], str]] = {
+    ErrorCode.REJECTED: (BadRequestError, "engine_rejected"),
+    ErrorCode.BUSY: (EngineUnavailableError, "engine_busy"),
+    ErrorCode.STOPPING: (EngineUnavailableError, "engine_stopping"),
+}
+
+
+def _api_error(output: RequestOutput) -> APIError:
+    cls, code = _ERRORS.get(output.error_code, (EngineError, "engine_error"))
+    return cls(f"engine: {output.error or 'request failed'}", code=code)
 
 
 class RequestStream:
-    """One request's outputs from its engine; keeps only ids and counters (R2)."""
+    """One request's outputs; keeps only ids, counters and undelivered tokens (R2)."""
 
-    __slots__ = ("request_id", "_client", "_engine", "_rpc_stream", "_prompt_tokens",
-                 "_budget", "_first", "_done", "_mm_reservation", "__weakref__")
+    __slots__ = ("request_id", "_engine", "_prompt_tokens", "_budget", "_first",
+                 "_done", "_output", "_error", "_waiter", "_mm_reservation", "__weakref__")
 
-    def __init__(self, client: EngineClient, engine: EngineHandle, request_id: str,
-                 rpc_stream: Any, prompt_tokens: int, max_tokens: int,
-                 mm_reservation: Reservation | None = None):
+    def __init__(self, engine: EngineConnection, request_id: str,
+                 prompt_tokens: int, max_tokens: int, mm_reservation: Reservation | None) -> None:
         self.request_id = request_id
-        self._mm_reservation = mm_reservation
-        self._client = client
         self._engine = engine
-        self._rpc_stream = rpc_stream
         self._prompt_tokens = prompt_tokens
         self._budget = prompt_tokens + max_tokens  # this request's share of engine.num_tokens
         self._first = True
         self._done = False
-        engine.num_requests += 1
+        self._output: RequestOutput | None = None
+        self._error: APIError | None = None
+        self._waiter: asyncio.Future | None = None
+        self._mm_reservation = mm_reservation
+        engine.streams[request_id] = self
         engine.num_tokens += self._budget
 
     @property
-    def engine(self) -> EngineHandle:
+    def engine(self) -> EngineConnection:
         return self._engine
 
     @property
     def finished(self) -> bool:
-        return self._done
+        """Ended, and everything it received was delivered."""
+        return self._done and self._output is None and self._error is None
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self._done:
-            raise StopAsyncIteration
-        error: APIError | None = None
-        try:
-            output = await self._rpc_stream.__anext__()
-        except StopAsyncIteration:
-            error = EngineError("the engine ended the stream without a finish reason")
-        except (RpcError, OSError) as e:
-            error = _engine_error(self._engine, e)
-        if error is not None:  # raised outside the except: no chained rpc exception
-            if self._done:  # closed by aclose() while this call waited
+        while True:
+            output = self._output
+            if output is not None:
+                self._output = None
+                self._account(output)
+                if output.finish_reason is not None:
+                    self._end()
+                    if output.finish_reason == "error":
+                        if not output.new_token_ids:
+                            raise _api_error(output)
+                        self._error = _api_error(output)  # the tokens first, then the error
+                        output.finish_reason = None
+                return output
+            if self._error is not None:
+                error, self._error = self._error, None
+                raise error
+            if self._done:
                 raise StopAsyncIteration
-            self._finish()
-            raise error
-        self._account(output)
-        if output.finish_reason == "error":
-            self._finish()
-            raise EngineError(f"engine error: {output.error or 'unknown'}")
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+    async def aclose(self) -> None:
+        """Stop early: abort the request in the engine."""
+        self._abort()
+
+    def _push(self, output: RequestOutput) -> None:
+        pending = self._output
+        if pending is None:
+            self._output = output
+        else:  # the consumer is behind: merge, so a stream never holds more than its tokens
+            pending.new_token_ids.extend(output.new_token_ids)
+            pending.finish_reason = output.finish_reason
+            pending.num_completion_tokens = output.num_completion_tokens
+            pending.error, pending.error_code = output.error, output.error_code
         if output.finish_reason is not None:
-            self._finish()
-        return output
+            self._end()
+        self._wake()
+
+    def _fail(self, error: APIError) -> None:
+        if not self._done:
+            self._error = error
+            self._end()
+            self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     def _account(self, output: RequestOutput) -> None:
         used = len(output.new_token_ids)
@@ -268,29 +433,24 @@ class RequestStream:
             self._mm_reservation.release()
             self._mm_reservation = None
 
-    def _finish(self) -> None:
-        self._release_mm()
+    def _end(self) -> None:
         if self._done:
             return
         self._done = True
-        self._engine.num_requests -= 1
-        self._engine.num_tokens -= self._budget
+        self._release_mm()
+        engine = self._engine
+        if engine.streams.get(self.request_id) is self:
+            del engine.streams[self.request_id]
+        engine.num_tokens -= self._budget
         self._budget = 0
+        engine.on_request_end()
 
-    async def aclose(self) -> None:
-        """Stop early: cancel the rpc stream and abort the request in the engine."""
-        if self._done:
-            return
-        self._finish()
-        try:
-            await self._rpc_stream.aclose()
-        finally:
-            self._client.abort_soon(self._engine, self.request_id)
+    def _abort(self) -> None:
+        if not self._done:
+            self._end()
+            self._engine.send(AbortRequests([self.request_id]))
+        self._output = None
 
     def __del__(self) -> None:
-        # Safety net for a stream dropped unconsumed (e.g. the client left before the
-        # response body started): settle the counters; the rpc stream's own finalizer
-        # cancels a started call, and the abort covers the rest.
         if not self._done:
-            self._finish()
-            self._client.abort_soon(self._engine, self.request_id)
+            self._engine._forget(self.request_id, self._budget, self._mm_reservation)

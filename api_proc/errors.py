@@ -14,6 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from api_proc.protocol import ErrorInfo, ErrorResponse
+
 logger = logging.getLogger(__name__)
 
 
@@ -30,8 +32,8 @@ class APIError(Exception):
             self.code = code
 
     def to_dict(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type,
-                          "param": self.param, "code": self.code}}
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type,
+                                             param=self.param, code=self.code)).model_dump()
 
 
 class BadRequestError(APIError):

@@ -11,10 +11,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-from rpc import Codec, RpcClient
+from api_proc.engine_client import EngineConnection
 from shared.engine_config import EngineConfig
 from shared.memory import ENGINE_MALLOC_ENV, glibc_tuning_enabled
-from shared.messages import WIRE_TYPES
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +48,8 @@ def spawn_engine(config: EngineConfig) -> EngineHandle:
 
 
 async def _wait_ready(handle: EngineHandle, deadline: float) -> None:
-    client = RpcClient(handle.config.address, Codec(types=WIRE_TYPES))
+    connection = EngineConnection(handle.config.address)
+    connection.open()
     try:
         while time.monotonic() < deadline:
             if not handle.alive:
@@ -58,13 +58,13 @@ async def _wait_ready(handle: EngineHandle, deadline: float) -> None:
                     "while starting (see its log above)"
                 )
             try:
-                await client.call("health", timeout=1.0)
+                await connection.wait_ready(0.2)  # not bound yet, or still loading the model
                 return
-            except Exception:  # not bound yet or still loading the model
-                await asyncio.sleep(0.2)
+            except TimeoutError:
+                pass
         raise EngineStartError(f"engine {handle.config.rank} not ready after its start timeout")
     finally:
-        await client.close()
+        await connection.close()
 
 
 def start_engines(configs: list[EngineConfig], timeout_s: float = 600.0) -> list[EngineHandle]:

@@ -21,7 +21,7 @@ class Metrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self, *, num_waiting: Callable[[], float], num_running: Callable[[], float],
-                 mm_inflight_bytes: Callable[[], float]):
+                 mm_inflight_bytes: Callable[[], float], mm_inflight_budget: int):
         self.registry = r = CollectorRegistry()
         self.requests = Counter("flatserve_requests", "Finished HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
@@ -41,6 +41,8 @@ class Metrics:
         Gauge("flatserve_mm_inflight_bytes",
               "Image bytes reserved: bodies, decoding, and pixels not yet prefilled by an engine",
               registry=r).set_function(mm_inflight_bytes)
+        Gauge("flatserve_mm_inflight_budget_bytes", "The cap on flatserve_mm_inflight_bytes",
+              registry=r).set(mm_inflight_budget)
         process = psutil.Process()
         Gauge("flatserve_process_rss_bytes", "Resident set size of the API process",
               registry=r).set_function(lambda: process.memory_info().rss)

@@ -10,7 +10,7 @@ import signal
 from api_proc.cli import DEFAULT_MAX_MODEL_LEN, ENGINE_FLAGS
 from api_proc.config import ApiConfig
 from api_proc.launcher import EngineStartError, start_engines, stop_engines
-from rpc import IpcDir
+from rpc.sockets import IpcDir
 from shared.engine_config import EngineConfig
 from shared.memory import API_MALLOC_ENV, apply_malloc_settings
 from shared.model_config import load_model_config

@@ -8,81 +8,43 @@
 detokenizers only (R2). The payload lives only in prepare's frame and in the objects it
 hands on with take() semantics, so when prepare returns, nothing in this process reaches the
 body bytes, the base64 strings, the encoded bytes or the pixels (R1); the streaming phase
-cannot pin them because it never sees them.
+cannot pin them because it never sees them. The body is read by request_body.py, and the
+outputs become a response in responses.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import pydantic
-from starlette.requests import ClientDisconnect, Request
 
 from api_proc.admission import AdmissionController, Reservation
 from api_proc.config import ApiConfig
 from api_proc.detokenizer import IncrementalDetokenizer
 from api_proc.engine_client import EngineClient, RequestStream
 from api_proc.errors import (
-    APIError,
     BadRequestError,
     NotFoundError,
-    PayloadTooLargeError,
     format_validation_errors,
 )
 from api_proc.media_loader import EncodedImage, MediaLoader, MediaRef
 from api_proc.metrics import Metrics
 from api_proc.prompt_builder import PromptBuilder, template_messages
 from api_proc.protocol import (
-    ChatCompletionChoice,
-    ChatCompletionChunk,
-    ChatCompletionMessage,
     ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionChoice,
-    CompletionChunk,
     CompletionRequest,
-    CompletionResponse,
     ImageURLPart,
     UsageInfo,
 )
-from shared.messages import GenerateRequest, ImageInput
+from api_proc.request_body import RequestBody
+from shared.messages import AddRequest, ImageInput
 from shared.sampling_params import SamplingParams
 
-DONE = b"data: [DONE]\n\n"
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 OFFLOAD_TEXT_CHARS = 16_384  # longer prompts are templated and tokenized off the event loop
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected; nothing is sent back."""
-
-
-class RequestBody:
-    """Holder of a request's raw bytes; the pipeline takes them out (R1). `reservation`:
-    the admission bytes a large body holds until the pipeline exchanges them for its images'
-    or, with no images, lets them go once parsed (R4)."""
-
-    __slots__ = ("data", "reservation")
-
-    def __init__(self, data: bytes, reservation: Reservation | None = None):
-        self.data: bytes | None = data
-        self.reservation = reservation
-
-    def take(self) -> bytes:
-        data, self.data = self.data, None
-        if data is None:
-            raise RuntimeError("request body already taken")
-        return data
-
-    def release(self) -> None:
-        """Give back whatever the pipeline has not exchanged (idempotent)."""
-        if self.reservation is not None:
-            self.reservation.release()
 
 
 @dataclass(eq=False)
@@ -115,54 +77,6 @@ class Prepared:
         completion = sum(c.num_tokens for c in self.choices)
         return UsageInfo(prompt_tokens=self.num_prompt_tokens, completion_tokens=completion,
                          total_tokens=self.num_prompt_tokens + completion)
-
-
-# Bodies below this are read without admission: uvicorn buffers this much of every
-# connection's body before the app reads it anyway.
-BODY_ADMISSION_MIN_BYTES = 64 << 10
-# While a body is parsed, its bytes and the strings parsed from them exist together.
-BODY_COPIES = 2
-
-
-async def read_body(request: Request, limit: int, admission: AdmissionController
-                    ) -> RequestBody:
-    """The request body, refused with 413 as soon as it passes `limit` bytes. A large body
-    is admitted before it is read (R4): its declared length up front, an undeclared one in
-    doubling steps as it arrives. Until admitted, its bytes stay in the socket buffers."""
-    declared = request.headers.get("content-length")
-    size_hint = int(declared) if declared is not None and declared.isdigit() else None
-    if size_hint is not None and size_hint > limit:
-        raise PayloadTooLargeError(f"request body is larger than max_body_bytes={limit}",
-                                   code="body_too_large")
-    budget = admission.budget_bytes
-    reservation = None
-    if size_hint is not None and size_hint >= BODY_ADMISSION_MIN_BYTES:
-        reservation = await admission.acquire(min(BODY_COPIES * size_hint, budget))
-    chunks: list[bytes] = []
-    size = 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise PayloadTooLargeError(f"request body is larger than max_body_bytes={limit}",
-                                           code="body_too_large")
-            chunks.append(chunk)
-            if size_hint is None and size >= BODY_ADMISSION_MIN_BYTES:
-                held = reservation.nbytes if reservation is not None else 0
-                if held < min(BODY_COPIES * size, budget):
-                    more = await admission.acquire(min(max(2 * held, BODY_COPIES * size),
-                                                       budget) - held)
-                    if reservation is None:
-                        reservation = more
-                    else:
-                        reservation.absorb(more)
-    except BaseException as e:
-        if reservation is not None:
-            reservation.release()
-        if isinstance(e, ClientDisconnect):
-            raise ClientGone() from None
-        raise
-    return RequestBody(chunks[0] if len(chunks) == 1 else b"".join(chunks), reservation)
 
 
 def _parse(model: type[pydantic.BaseModel], body: bytes):
@@ -301,7 +215,8 @@ class Serving:
         its first output, when the engine has freed them (R3, R4).
         `held`: the body's reservation, exchanged for the images' (emptied by the exchange;
         the caller releases it on every other path)."""
-        self.engines.pick()  # 503 now, before any pixel is decoded, when no engine is up
+        # 503 now, before any pixel is decoded, when no engine is up; wait while all are full
+        await self.engines.wait_for_room(self.config.admission_timeout_s)
         reservation = None
         per_request = sum(e.resized_bytes for e in encoded)  # what each engine request holds
         if encoded:
@@ -319,14 +234,13 @@ class Serving:
             try:
                 for i, (ids, params) in enumerate(zip(prompt_ids, sampling, strict=True)):
                     share = reservation.split(per_request) if reservation is not None else None
-                    streams.append(self.engines.submit(GenerateRequest(
+                    streams.append(self.engines.submit(AddRequest(
                         request_id=f"{rid}-{i}", prompt_token_ids=ids, sampling=params,
                         images=images), mm_reservation=share))
             except BaseException:
                 for s in streams:
                     await s.aclose()
                 raise
-            images = None  # R1: the rpc streams own the pixels now
             return streams
         finally:
             if reservation is not None:
@@ -349,129 +263,10 @@ class Serving:
             work.add_done_callback(lambda f: (_retrieve(f), left.release()))
             raise
 
-    # ------------------------------------------------------------------ outputs
-
-    async def _outputs(self, p: Prepared) -> AsyncIterator[tuple[Choice, object]]:
-        if len(p.choices) == 1:
-            c = p.choices[0]
-            async for out in c.stream:
-                yield c, out
-            return
-        pending = {asyncio.ensure_future(c.stream.__anext__()): c for c in p.choices}
-        try:
-            while pending:
-                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for fut in done:
-                    c = pending.pop(fut)
-                    try:
-                        out = fut.result()
-                    except StopAsyncIteration:
-                        continue
-                    yield c, out
-                    if not c.stream.finished:
-                        pending[asyncio.ensure_future(c.stream.__anext__())] = c
-        finally:
-            for fut in pending:
-                fut.cancel()
-                fut.add_done_callback(_retrieve)
-
-    async def _advance(self, p: Prepared, c: Choice, out) -> tuple[str, str | None]:
-        """New text and finish reason of choice `c` after engine output `out`."""
-        ids = out.new_token_ids
-        if ids:
-            c.num_tokens += len(ids)
-            self.metrics.completion_tokens.inc(len(ids))
-            if p.first_token_at is None:
-                p.first_token_at = time.monotonic()
-                self.metrics.ttft.observe(p.first_token_at - p.arrival)
-        text = c.detok.step(ids)
-        finish = out.finish_reason
-        if c.detok.stopped:
-            finish = "stop"
-            await c.stream.aclose()  # stop string: the engine stops too
-        elif finish is not None:
-            text += c.detok.finish()
-        c.finish_reason = finish
-        return text, finish
-
-    async def close(self, p: Prepared) -> None:
-        for c in p.choices:
-            await c.stream.aclose()
-
-    async def collect(self, p: Prepared) -> dict:
-        """Run a non-streaming request to the end; the OpenAI response body."""
-        outputs = self._outputs(p)
-        try:
-            async for c, out in outputs:
-                text, _ = await self._advance(p, c, out)
-                if text:
-                    c.texts.append(text)
-        finally:
-            await outputs.aclose()
-            await self.close(p)
-        if p.kind == "chat":
-            return ChatCompletionResponse(
-                id=p.id, created=p.created, model=p.model, usage=p.usage,
-                choices=[ChatCompletionChoice(index=c.index, finish_reason=c.finish_reason,
-                                              message=ChatCompletionMessage(content="".join(c.texts)))
-                         for c in p.choices]).model_dump()
-        return CompletionResponse(
-            id=p.id, created=p.created, model=p.model, usage=p.usage,
-            choices=[CompletionChoice(index=c.index, text="".join(c.texts),
-                                      finish_reason=c.finish_reason) for c in p.choices]
-        ).model_dump()
-
-    async def stream(self, p: Prepared, on_end) -> AsyncIterator[bytes]:
-        """SSE chunks of a streaming request, ending with `data: [DONE]`; on_end(status)."""
-        status = 200
-        outputs = self._outputs(p)
-        try:
-            if p.kind == "chat":
-                for c in p.choices:
-                    yield self._chunk(p, c.index, None, None)
-            async for c, out in outputs:
-                text, finish = await self._advance(p, c, out)
-                if text or finish:
-                    yield self._chunk(p, c.index, text, finish)
-            if p.include_usage:
-                cls = ChatCompletionChunk if p.kind == "chat" else CompletionChunk
-                body = cls(id=p.id, created=p.created, model=p.model, choices=[], usage=p.usage)
-                yield _sse(body.model_dump_json())
-            yield DONE
-        except APIError as e:
-            status = e.status
-            yield _sse(json.dumps(e.to_dict()))
-            yield DONE
-        except BaseException:
-            status = 499  # client gone (cancelled) or a bug
-            raise
-        finally:
-            await outputs.aclose()
-            await self.close(p)
-            on_end(status)
-
-    def _chunk(self, p: Prepared, index: int, text: str | None, finish: str | None) -> bytes:
-        """One SSE chunk (built as a dict: exactly OpenAI's field set, nulls included).
-        For chat, text=None is the opening chunk that carries the role."""
-        if p.kind == "chat":
-            delta = {"role": "assistant", "content": ""} if text is None else {"content": text}
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
-            obj = "chat.completion.chunk"
-        else:
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
-            obj = "text_completion"
-        return _sse(json.dumps({"id": p.id, "object": obj, "created": p.created,
-                                "model": p.model, "choices": [choice]}, ensure_ascii=False))
-
-
 def _retrieve(fut: asyncio.Future) -> None:
     """Mark a future's exception as seen (its request is gone; the error is moot)."""
     if not fut.cancelled():
         fut.exception()
-
-
-def _sse(payload: str) -> bytes:
-    return b"data: " + payload.encode() + b"\n\n"
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,6 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free_block_ids)
 
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_block_ids)
-
     def num_blocks_for(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
 

@@ -1,7 +1,7 @@
 """The in-process engine: requests in, per-step token outputs out.
 
 A step is three calls: schedule, run the model, post-process. The engine keeps no reference
-to a GenerateRequest once `add_request` returns: the Sequence copies the token ids and
+to an AddRequest once `add_request` returns: the Sequence copies the token ids and
 holds the image arrays itself, so freeing them there (R3) really frees them.
 """
 
@@ -16,7 +16,8 @@ from engine_proc.model_runner import ModelRunner
 from engine_proc.models.mrope import compute_mrope_positions
 from engine_proc.scheduler import RequestRejected, ScheduledBatch, Scheduler
 from engine_proc.sequence import ImageSpan, Sequence
-from shared.messages import EngineStats, GenerateRequest, ImageInput, RequestOutput
+from shared.engine_config import EngineConfig
+from shared.messages import AddRequest, EngineStats, ErrorCode, ImageInput, RequestOutput
 from shared.model_config import ModelConfig, load_model_config
 
 logger = logging.getLogger(__name__)
@@ -25,7 +26,7 @@ __all__ = ["LLMEngine", "RequestRejected"]
 
 
 class LLMEngine:
-    """Synchronous engine over one model on one device.
+    """Synchronous engine over one model on one device. Defaults are EngineConfig's.
 
     KV cache size: `num_kv_blocks` if given, else `kv_cache_memory_bytes`, else
     `kv_cache_memory_fraction` of free device memory on CUDA or 256 MiB on CPU; never more
@@ -36,15 +37,15 @@ class LLMEngine:
         self,
         model_path: str,
         *,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 8192,
-        max_num_encoder_patches: int = 8192,
+        max_num_seqs: int = EngineConfig.max_num_seqs,
+        max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens,
+        max_num_encoder_patches: int = EngineConfig.max_num_encoder_patches,
         max_model_len: int | None = None,
         num_kv_blocks: int | None = None,
         kv_cache_memory_bytes: int | None = None,
         kv_cache_memory_fraction: float = 0.8,
-        block_size: int = 16,
-        max_waiting: int = 4096,
+        block_size: int = EngineConfig.block_size,
+        max_waiting: int = EngineConfig.max_waiting,
         device: str | None = None,
         dtype: str | None = None,
     ):
@@ -77,9 +78,25 @@ class LLMEngine:
         self.mm_seqs: list[Sequence] = []  # unfinished and still holding image data
         self.pending_outputs: list[RequestOutput] = []  # aborts, reported by the next step
 
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        return cls(
+            config.model,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_encoder_patches=config.max_num_encoder_patches,
+            max_model_len=config.max_model_len or None,
+            num_kv_blocks=config.num_kv_blocks or None,
+            kv_cache_memory_bytes=config.kv_cache_memory_bytes or None,
+            block_size=config.block_size,
+            max_waiting=config.max_waiting,
+            device=config.device,
+            dtype=config.dtype,
+        )
+
     # ---- requests ---------------------------------------------------------------------
 
-    def add_request(self, request: GenerateRequest) -> None:
+    def add_request(self, request: AddRequest) -> None:
         """Queue a request; raises RequestRejected (a ValueError) with the reason if the
         engine cannot take it. The engine owns the request's images from here on."""
         if request.request_id in self.seqs:
@@ -132,7 +149,7 @@ class LLMEngine:
             self._prune_mm_seqs()
         return outputs
 
-    def generate(self, requests: list[GenerateRequest]) -> dict[str, list[int]]:
+    def generate(self, requests: list[AddRequest]) -> dict[str, list[int]]:
         """Run requests (and any already queued) to completion; returns the completion
         token ids of `requests` by request id."""
         results: dict[str, list[int]] = {}
@@ -157,7 +174,13 @@ class LLMEngine:
             num_kv_blocks_free=block_manager.num_free_blocks,
             mm_bytes_held=sum(seq.mm_bytes for seq in self.mm_seqs),
             num_requests_finished=self.scheduler.num_finished,
+            max_requests=self.max_requests,
         )
+
+    @property
+    def max_requests(self) -> int:
+        """Requests the engine holds at once: a full batch and a full waiting queue."""
+        return self.scheduler.max_num_seqs + self.scheduler.max_waiting
 
     # ---- helpers ----------------------------------------------------------------------
 
@@ -184,9 +207,10 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_completion_tokens=seq.num_completion_tokens,
             error=seq.error,
+            error_code=ErrorCode.INTERNAL if seq.error is not None else ErrorCode.NONE,
         )
 
-    def _make_sequence(self, request: GenerateRequest) -> Sequence:
+    def _make_sequence(self, request: AddRequest) -> Sequence:
         token_ids = np.asarray(request.prompt_token_ids, dtype=np.int64)
         if token_ids.ndim != 1 or len(token_ids) == 0:
             raise RequestRejected("prompt_token_ids must be a non-empty list of token ids")

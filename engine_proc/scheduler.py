@@ -36,6 +36,10 @@ class RequestRejected(ValueError):
     """The engine cannot take this request (too long, malformed, or the queue is full)."""
 
 
+class QueueFull(RequestRejected):
+    """The waiting queue is full: the request may succeed later or on another engine."""
+
+
 @dataclass
 class ScheduledBatch:
     """The sequences of one step and how many new tokens each computes. Sequence `i`
@@ -155,7 +159,7 @@ class Scheduler:
                 f"the whole cache has {self.block_manager.num_blocks}"
             )
         if len(self.waiting) >= self.max_waiting:
-            raise RequestRejected(f"engine queue is full ({self.max_waiting} waiting requests)")
+            raise QueueFull(f"engine queue is full ({self.max_waiting} waiting requests)")
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 

@@ -98,11 +98,6 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def num_cached_tokens(self) -> int:
-        """Tokens whose K/V is in the cache (no prefix caching yet: all were computed here)."""
-        return self.num_computed_tokens
-
-    @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 

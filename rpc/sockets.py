@@ -1,120 +1,91 @@
-"""zmq socket setup and the single reader that drains a socket on the event loop.
+"""zmq sockets and their addresses.
 
-Sockets are plain (synchronous) pyzmq sockets driven by the loop through their FD, not
-zmq.asyncio sockets: one reader per socket drains it and routes messages synchronously, and
-sends are non-blocking calls with no future per message (see Outbox). Everything here runs
-on the loop's thread only.
+ipc:// socket files live in a private directory (mode 0700, so other local users cannot
+connect) that is removed on close; tcp:// works as zmq spells it.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-from collections.abc import Callable
+import atexit
+import os
+import re
+import shutil
+import tempfile
+import threading
 
 import zmq
 
-log = logging.getLogger("rpc")
-
-# Messages (multipart) queued per pipe and direction. A ROUTER without ROUTER_MANDATORY drops
-# messages silently at this mark; ours raises EAGAIN instead and the outbox retries, and
-# flow-control credits keep the real depth far below it.
-DEFAULT_HWM = 10_000
+# Messages queued per pipe and direction. One message is one engine step (or one request),
+# so this is far above any real depth; a ROUTER raises at the mark instead of dropping
+# (ROUTER_MANDATORY), and the sender decides.
+HWM = 10_000
 RECONNECT_IVL_MS = 100
-
-# Plain ints: pyzmq's IntFlag constants cost an enum construction per operation.
-EVENTS = int(zmq.EVENTS)
-POLLIN = int(zmq.POLLIN)
-DONTWAIT = int(zmq.DONTWAIT)
-SNDMORE = int(zmq.SNDMORE)
+MAX_IPC_PATH = 107  # sockaddr_un.sun_path holds 108 bytes including the terminating NUL
 
 
-def make_socket(ctx: zmq.Context, kind: int, *, hwm: int = DEFAULT_HWM) -> zmq.Socket:
+def make_socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, hwm)
-    sock.setsockopt(zmq.RCVHWM, hwm)
+    sock.setsockopt(zmq.SNDHWM, HWM)
+    sock.setsockopt(zmq.RCVHWM, HWM)
     if kind == zmq.ROUTER:
-        # EHOSTUNREACH for a gone peer and EAGAIN at the high-water mark, never a silent drop.
+        # EHOSTUNREACH for a gone peer and EAGAIN at the high-water mark, never a silent drop
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    if kind == zmq.DEALER:
-        # Queue only on a live connection: requests are never parked for a dead server and
-        # replayed to its successor after the client already failed them.
+    else:
+        # queue only on a live connection: nothing is parked for a dead engine and replayed
+        # to its successor after the request was already failed
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
     return sock
 
 
-class SocketReader:
-    """Drains a zmq socket from the loop and hands each multipart message (list of
-    zmq.Frame, received with copy=False) to `on_message`.
-
-    The zmq FD is edge-triggered: it signals only that the socket's state changed, so the
-    reader drains until ZMQ_EVENTS shows no input, and `kick()` must be called after sends
-    on the same socket (a send can consume the edge of a message that arrived meanwhile)."""
-
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        sock: zmq.Socket,
-        on_message: Callable[[list[zmq.Frame]], None],
-        *,
-        max_per_wake: int = 256,
-    ) -> None:
-        self._loop = loop
-        self._sock = sock
-        self._on_message = on_message
-        self._max_per_wake = max_per_wake
-        self._fd: int | None = None
-        self._scheduled = False
-
-    def start(self) -> None:
-        self._fd = self._sock.getsockopt(zmq.FD)
-        self._loop.add_reader(self._fd, self._drain)
-        self.kick()
-
-    def stop(self) -> None:
-        if self._fd is not None:
-            self._loop.remove_reader(self._fd)
-            self._fd = None
-
-    def input_pending(self) -> bool:
-        return self._fd is not None and bool(self._sock.getsockopt(EVENTS) & POLLIN)
-
-    def kick(self) -> None:
-        if self._fd is None or self._scheduled:
-            return
-        if self._sock.getsockopt(EVENTS) & POLLIN:
-            self._scheduled = True
-            self._loop.call_soon(self._drain)
-
-    def _drain(self) -> None:
-        self._scheduled = False
-        sock = self._sock
-        for _ in range(self._max_per_wake):
-            if self._fd is None or not sock.getsockopt(EVENTS) & POLLIN:
-                return
-            try:
-                frames = sock.recv_multipart(DONTWAIT, copy=False)
-            except zmq.Again:
-                return
-            try:
-                self._on_message(frames)
-            except Exception:  # one bad message must not stop the reader
-                log.exception("rpc: error while handling a message")
-            del frames
-        # More input is waiting: yield to the loop so other work runs, then continue.
-        if self._fd is not None and not self._scheduled:
-            self._scheduled = True
-            self._loop.call_soon(self._drain)
+def check_address(address: str) -> None:
+    if not isinstance(address, str) or not address.startswith(("ipc://", "tcp://")):
+        raise ValueError(f"address must start with ipc:// or tcp://, got {address!r}")
+    if address.startswith("ipc://") and len(address) - len("ipc://") > MAX_IPC_PATH:
+        raise ValueError(f"ipc path longer than {MAX_IPC_PATH} bytes: {address!r}")
 
 
-def send_frames(sock: zmq.Socket, frames: list, num_small: int) -> None:
-    """Send one multipart message without blocking: the first `num_small` frames (routing
-    id, header, body) are copied, the rest (array buffers) go zero-copy. zmq checks the
-    high-water mark and the peer's presence on the first frame only, so Again /
-    EHOSTUNREACH can only come from it, before anything is queued."""
-    send = sock.send
-    last = len(frames) - 1
-    for i, frame in enumerate(frames):
-        send(frame, DONTWAIT if i == last else DONTWAIT | SNDMORE, copy=i < num_small)
+class IpcDir:
+    """A private (0700) temporary directory for ipc:// socket files; `close()` removes it
+    and every socket file in it."""
+
+    def __init__(self, prefix: str = "flatserve-rpc-") -> None:
+        # /tmp rather than $TMPDIR: socket paths must stay under 108 bytes
+        self.path = tempfile.mkdtemp(prefix=prefix, dir="/tmp" if os.path.isdir("/tmp") else None)
+        os.chmod(self.path, 0o700)
+
+    def address(self, name: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+            raise ValueError(f"ipc socket name must be [A-Za-z0-9_.-]+, got {name!r}")
+        address = f"ipc://{os.path.join(self.path, name)}.sock"
+        check_address(address)
+        return address
+
+    def close(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def __enter__(self) -> IpcDir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_process_dir: IpcDir | None = None
+_process_dir_lock = threading.Lock()
+
+
+def new_ipc_address(name: str) -> str:
+    """An ipc:// address in this process's private socket directory, removed at exit."""
+    global _process_dir
+    with _process_dir_lock:
+        if _process_dir is None or not os.path.isdir(_process_dir.path):
+            _process_dir = IpcDir()
+            atexit.register(_remove_if_owner, _process_dir, os.getpid())
+        return _process_dir.address(name)
+
+
+def _remove_if_owner(ipc_dir: IpcDir, pid: int) -> None:
+    if os.getpid() == pid:  # not in a forked child that inherited the atexit hook
+        ipc_dir.close()

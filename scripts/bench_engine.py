@@ -163,7 +163,7 @@ def run_engine(
     import torch
 
     from engine_proc.llm_engine import LLMEngine
-    from shared.messages import GenerateRequest, ImageInput
+    from shared.messages import AddRequest, ImageInput
     from shared.sampling_params import SamplingParams
 
     engine = LLMEngine(model, **args)
@@ -174,7 +174,7 @@ def run_engine(
                 ImageInput(p, (1, p.shape[0] // 14, p.shape[1] // 14)) for p in images_of(spec)
             ]
             sampling = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
-            yield GenerateRequest(prefix + spec.request_id, spec.prompt_token_ids, sampling, images)
+            yield AddRequest(prefix + spec.request_id, spec.prompt_token_ids, sampling, images)
 
     # first-call costs stay out of the figures; only 4 warm-up requests (and images) are built
     engine.generate(list(itertools.islice(requests("warmup-"), 4)))

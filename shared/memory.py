@@ -7,8 +7,6 @@ import ctypes.util
 import os
 import sys
 
-import psutil
-
 # glibc settings of the API process (see README, "Memory").
 API_MALLOC_ENV = {
     # A fixed mmap threshold: glibc's dynamic threshold otherwise rises after the first large
@@ -80,6 +78,3 @@ def release_freed_memory() -> None:
     if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
         _LIBC.malloc_trim(0)
 
-
-def rss_bytes(pid: int | None = None) -> int:
-    return psutil.Process(pid or os.getpid()).memory_info().rss

@@ -1,16 +1,35 @@
-"""Every message that crosses the API <-> engine process boundary.
+"""Every message that crosses the API <-> engine process boundary, grouped by receiver.
 
-Small typed structs only. Image pixels travel as resized uint8 arrays (R6) that the rpc codec
-sends as out-of-band zmq frames; nothing here is ever pickled.
+Small typed structs only (rpc/codec.py puts them on the wire). An image travels as its
+resized uint8 pixels (R6), sent as an out-of-band zmq frame; nothing here is ever pickled.
+
+    API -> engine   AddRequest, AbortRequests, Ping
+    engine -> API   StepOutputs: every request's new tokens of one engine step, plus stats
+                    (also the answer to a Ping)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import IntEnum
 
 import numpy as np
 
 from shared.sampling_params import SamplingParams
+
+
+class ErrorCode(IntEnum):
+    """Why the engine ended a request with finish_reason "error"; the API maps it to an
+    HTTP status, never a message text."""
+
+    NONE = 0
+    REJECTED = 1  # the request cannot run on this engine (too long, malformed): 400
+    BUSY = 2  # the engine holds as many requests as it takes: 503
+    STOPPING = 3  # the engine is shutting down: 503
+    INTERNAL = 4  # the model step failed: 500
+
+
+# ---- API -> engine ------------------------------------------------------------------------
 
 
 @dataclass
@@ -21,16 +40,18 @@ class ImageInput:
     pixels: np.ndarray
     grid_thw: tuple[int, int, int]
 
+    def __post_init__(self) -> None:
+        self.grid_thw = tuple(self.grid_thw)
+
     @property
     def nbytes(self) -> int:
         return int(self.pixels.nbytes)
 
 
 @dataclass
-class GenerateRequest:
-    """Sent by the API process to start a request (a server-streaming `generate` call).
-
-    prompt_token_ids already has each image's placeholder expanded to its token count."""
+class AddRequest:
+    """Start a request. prompt_token_ids has each image's placeholder expanded to its
+    token count. The engine answers with the request's outputs in later StepOutputs."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -39,33 +60,53 @@ class GenerateRequest:
 
 
 @dataclass
+class AbortRequests:
+    """Stop these requests and free what they hold; no further output is sent for them."""
+
+    request_ids: list[str]
+
+
+@dataclass
+class Ping:
+    """Liveness probe; the engine answers with an empty StepOutputs."""
+
+
+# ---- engine -> API ------------------------------------------------------------------------
+
+
+@dataclass
 class RequestOutput:
-    """One item of a `generate` stream: the tokens a request gained in one engine step."""
+    """The tokens one request gained in one engine step."""
 
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     num_prompt_tokens: int = 0
     num_completion_tokens: int = 0
-    error: str | None = None
+    error: str | None = None  # for logs and the client's message; the code decides
+    error_code: int = ErrorCode.NONE
 
 
 @dataclass
 class EngineStats:
-    """Answer to the `stats` call."""
-
     num_waiting: int
     num_running: int
     num_kv_blocks_total: int
     num_kv_blocks_free: int
     mm_bytes_held: int
     num_requests_finished: int = 0
+    max_requests: int = 0  # requests the engine takes at once (running + waiting)
+
+
+@dataclass
+class StepOutputs:
+    """One engine step's outputs for one API process, with the engine's current stats."""
+
+    outputs: list[RequestOutput]
+    stats: EngineStats | None = None
 
 
 WIRE_TYPES: tuple[type, ...] = (
-    SamplingParams,
-    ImageInput,
-    GenerateRequest,
-    RequestOutput,
-    EngineStats,
+    SamplingParams, ImageInput, AddRequest, AbortRequests, Ping, RequestOutput, EngineStats,
+    StepOutputs,
 )

@@ -138,60 +138,101 @@ REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
 
 
 class EngineDoubleProcess:
-    """tests/api_proc/engine_double.py in a subprocess, serving a real rpc socket."""
+    """tests/api_proc/engine_double.py in a subprocess, serving a real engine socket; the
+    test drives it with one line on its stdin, answered by one JSON line on its stdout."""
 
-    def __init__(self, address: str, model_dir: str):
+    def __init__(self, address: str, model_dir: str, max_requests: int = 64,
+                 peer_timeout_s: float = 3.0):
         import subprocess
         import sys
 
         self.address = address
+        self._lock = threading.Lock()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tests.api_proc.engine_double", address, model_dir],
-            cwd=REPO, stdout=subprocess.PIPE, text=True)
-        line = self.process.stdout.readline()
+            [sys.executable, "-m", "tests.api_proc.engine_double", address, model_dir,
+             str(max_requests), str(peer_timeout_s)],
+            cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = self._readline(30.0)
         if line.strip() != "ready":
-            self.process.kill()
+            self.kill()
             raise RuntimeError(f"engine double did not start: {line!r}")
 
-    def call(self, method: str, *args, timeout: float = 5.0):
-        import asyncio
+    def _readline(self, timeout: float) -> str:
+        import select
 
-        from rpc import Codec, RpcClient
-        from shared.messages import WIRE_TYPES
+        # one line answers each command, so nothing is left in the reader's buffer between
+        # calls and select on the pipe says whether the next answer is there
+        ready, _, _ = select.select([self.process.stdout], [], [], timeout)
+        if not ready:
+            raise TimeoutError(f"engine double gave no answer in {timeout} s")
+        return self.process.stdout.readline()
 
-        async def go():
-            async with RpcClient(self.address, Codec(types=WIRE_TYPES)) as client:
-                return await client.call(method, *args, timeout=timeout)
-        return asyncio.run(go())
+    def call(self, command: str, timeout: float = 5.0) -> dict:
+        """Send one command line ("log", "open_gate"); its JSON answer."""
+        import json
+
+        with self._lock:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"engine double exited with code {self.process.returncode}")
+            self.process.stdin.write(command + "\n")
+            self.process.stdin.flush()
+            line = self._readline(timeout)
+        if not line:
+            raise RuntimeError("engine double closed its stdout")
+        return json.loads(line)
 
     def log(self) -> dict:
-        return self.call("test_log")
+        """{"requests": [...], "aborted": [ids], "running": [ids]} (see engine_double.py)."""
+        return self.call("log")
+
+    def open_gate(self) -> int:
+        """Let every [[gated]] request the double holds now go on; how many there were."""
+        return self.call("open_gate")["opened"]
 
     def kill(self) -> None:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
-        self.process.stdout.close()
+        for pipe in (self.process.stdin, self.process.stdout):
+            try:
+                pipe.close()
+            except OSError:  # stdin: a write the dead process never read
+                pass
+
+
+def _double_address(kind: str) -> str:
+    from rpc.sockets import new_ipc_address
+
+    return new_ipc_address(f"{kind}-{os.getpid()}-{time.monotonic_ns()}")
 
 
 @pytest.fixture(scope="module")
 def engine_double(tiny_model_path):
-    from rpc import new_ipc_address
-
-    double = EngineDoubleProcess(new_ipc_address(f"double-{os.getpid()}-{id(object())}"),
-                                 str(tiny_model_path))
+    double = EngineDoubleProcess(_double_address("double"), str(tiny_model_path))
     yield double
     double.kill()
 
 
 @pytest.fixture
 def fresh_engine_double(tiny_model_path):
-    from rpc import new_ipc_address
-
-    double = EngineDoubleProcess(new_ipc_address(f"fresh-{os.getpid()}-{id(object())}"),
-                                 str(tiny_model_path))
+    double = EngineDoubleProcess(_double_address("fresh"), str(tiny_model_path))
     yield double
     double.kill()
+
+
+@pytest.fixture
+def start_engine_double(tiny_model_path):
+    """start_engine_double(max_requests=64, peer_timeout_s=3.0) -> EngineDoubleProcess,
+    killed after the test."""
+    doubles = []
+
+    def start(**kw) -> EngineDoubleProcess:
+        double = EngineDoubleProcess(_double_address("custom"), str(tiny_model_path), **kw)
+        doubles.append(double)
+        return double
+    yield start
+    for double in doubles:
+        double.kill()
 
 
 def free_port() -> int:

@@ -1,112 +1,206 @@
-"""TEST DOUBLE of an engine process: a real rpc server in its own process, no model.
+"""TEST DOUBLE of an engine process: the real engine socket (rpc/engine_server.py) around a
+synchronous busy loop, like engine_proc/engine_process.py, but no model.
 
-`generate` echoes the prompt's text tokens back (special and image tokens left out), one
-token per output, up to max_tokens (finish "length"), else the echo ends with the first eos
-id (finish "stop"). Directives in the prompt text change its behaviour:
+Every request echoes its prompt's text tokens back (special and image tokens left out), one
+token per engine step (a step every STEP_S while there is work), up to max_tokens (finish
+"length"), else the echo ends with the first eos id (finish "stop"). Directives in the
+prompt text change its behaviour:
 
-    [[slow]]   0.05 s between outputs         [[hang]]   first output, then wait for cancel
-    [[error]]  raise after the first output   [[refuse]] refuse the request at once
-    [[gated]]  no output until `open_gate` is called (a prefill that takes its time)
+    [[slow]]   0.05 s between outputs
+    [[hang]]   the first output, then nothing until the request is aborted
+    [[error]]  the first output, then an output with finish "error" (ErrorCode.INTERNAL)
+    [[refuse]] at once an output with finish "error" (ErrorCode.REJECTED)
+    [[gated]]  no output until the test opens the gate (a prefill that takes its time)
 
-`test_log` returns what it saw: per request its id, prompt length, image shapes and grids,
-and the ids whose streams were cancelled or aborted.
+The test drives it through the process's stdin and stdout, one line each way:
 
-    python -m tests.api_proc.engine_double ADDRESS MODEL_DIR
+    log        -> {"requests": [{"id", "num_prompt_tokens", "shapes", "grids",
+                                 "max_tokens"}, ...],
+                   "aborted": [ids named by an AbortRequests, in arrival order; those the
+                               engine socket sends for an API process gone silent too],
+                   "running": [ids the engine holds now, sorted]}
+    open_gate  -> {"opened": n}: every [[gated]] request held now goes on; later ones wait
+                  for the next open_gate
+
+Nothing else is written to stdout; the double exits when its stdin closes.
+
+    python -m tests.api_proc.engine_double ADDRESS MODEL_DIR [MAX_REQUESTS [PEER_TIMEOUT_S]]
 """
 
 from __future__ import annotations
 
-import asyncio
+import json
 import sys
+import threading
+import time
+from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
-from rpc import Codec, RpcServer
-from shared.messages import WIRE_TYPES, EngineStats, GenerateRequest, RequestOutput
+from rpc.engine_server import EngineServer
+from shared.messages import AbortRequests, AddRequest, EngineStats, ErrorCode, RequestOutput
 from shared.model_config import load_model_config
+
+STEP_S = 0.002
+SLOW_S = 0.05
+IDLE_WAIT_S = 0.01  # also how soon an opened gate is noticed
+
+
+@dataclass
+class Running:
+    request_id: str
+    echo: list[int]  # the tokens it will output, one per step
+    stop: bool  # ends with eos (finish "stop") rather than at max_tokens ("length")
+    num_prompt_tokens: int
+    delay: float
+    hang: bool
+    error: bool
+    gated: bool
+    sent: int = 0
+    next_at: float = 0.0
 
 
 class EngineDouble:
-    def __init__(self, model_dir: str):
+    def __init__(self, model_dir: str, server: EngineServer):
         self.tokenizer = Tokenizer.from_file(f"{model_dir}/tokenizer.json")
-        self.config = load_model_config(model_dir)
+        self.eos = load_model_config(model_dir).eos_token_ids[0]
         self.special = set(self.tokenizer.get_added_tokens_decoder())
-        self.log: list[dict] = []
-        self.cancelled: list[str] = []
+        self.server = server
+        self.lock = threading.Lock()  # the busy loop's state, read by the control thread
+        self.requests: list[dict] = []
         self.aborted: list[str] = []
-        self.running: set[str] = set()
-        self.gate = asyncio.Event()
+        self.running: dict[str, Running] = {}
+        self.finished = 0
+        self.stopping = False
 
-    async def generate(self, request: GenerateRequest):
-        rid = request.request_id
-        ids = request.prompt_token_ids
-        self.log.append({"id": rid, "num_prompt_tokens": len(ids),
-                         "shapes": [list(im.pixels.shape) for im in request.images],
-                         "grids": [list(im.grid_thw) for im in request.images],
-                         "max_tokens": request.sampling.max_tokens})
+    # ---- the busy loop
+
+    def run(self) -> None:
+        while not self.stopping:
+            commands = self.server.take_commands()
+            with self.lock:
+                outputs = self._apply(commands)
+                commands.clear()  # R1: nothing here keeps a request's payload
+                outputs += self._step(time.monotonic())
+                self.server.stats = self._stats()
+                wait = self._wait_s(time.monotonic())
+            if outputs:
+                self.server.send_step(outputs)
+            if wait > 0:
+                self.server.wait_for_commands(wait)
+
+    def _apply(self, commands: list[AddRequest | AbortRequests]) -> list[RequestOutput]:
+        outputs = []
+        for command in commands:
+            if type(command) is AbortRequests:
+                for request_id in command.request_ids:
+                    self.aborted.append(request_id)
+                    self.running.pop(request_id, None)
+            else:
+                output = self._add(command)
+                if output is not None:
+                    outputs.append(output)
+        return outputs
+
+    def _add(self, request: AddRequest) -> RequestOutput | None:
+        rid, ids, max_tokens = request.request_id, request.prompt_token_ids, \
+            request.sampling.max_tokens
+        self.requests.append({"id": rid, "num_prompt_tokens": len(ids),
+                              "shapes": [list(im.pixels.shape) for im in request.images],
+                              "grids": [list(im.grid_thw) for im in request.images],
+                              "max_tokens": max_tokens})
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        max_tokens = request.sampling.max_tokens
-        request = None  # R1, as every wrapper should
         if "[[refuse]]" in text:
-            raise RuntimeError("RequestRejected: refused by the test double")
-        echo = [t for t in ids if t not in self.special][:max_tokens + 1]
-        delay = 0.05 if "[[slow]]" in text else 0.0
-        self.running.add(rid)
-        done = False
-        try:
-            if "[[gated]]" in text:
-                await self.gate.wait()
-            for i, token in enumerate(echo[:max_tokens]):
-                if delay:
-                    await asyncio.sleep(delay)
-                last = i == max_tokens - 1 or i == len(echo) - 1
-                reason = None
-                new = [token]
-                if last:
-                    reason = "length" if len(echo) > max_tokens else "stop"
-                    if reason == "stop":
-                        new.append(self.config.eos_token_ids[0])
-                yield RequestOutput(rid, new, reason, len(ids), i + 1)
-                if i == 0 and "[[error]]" in text:
-                    raise RuntimeError("engine double failed on purpose")
-                if i == 0 and "[[hang]]" in text:
-                    await asyncio.Event().wait()
-            done = True
-        finally:
-            self.running.discard(rid)
-            if not done:
-                self.cancelled.append(rid)
+            return RequestOutput(rid, [], "error", len(ids), 0,
+                                 error="RequestRejected: refused by the test double",
+                                 error_code=ErrorCode.REJECTED)
+        echo = [t for t in ids if t not in self.special]
+        self.running[rid] = Running(
+            rid, echo[:max_tokens], len(echo) <= max_tokens, len(ids),
+            SLOW_S if "[[slow]]" in text else STEP_S, "[[hang]]" in text, "[[error]]" in text,
+            "[[gated]]" in text)
+        return None
 
-    async def open_gate(self) -> None:
-        """Let every [[gated]] request waiting now go on; later ones wait for the next call."""
-        gate, self.gate = self.gate, asyncio.Event()
-        gate.set()
+    def _step(self, now: float) -> list[RequestOutput]:
+        outputs = []
+        for r in list(self.running.values()):
+            if r.gated or (r.hang and r.sent) or now < r.next_at:
+                continue
+            r.next_at = now + r.delay
+            if r.error and r.sent:
+                outputs.append(RequestOutput(r.request_id, [], "error", r.num_prompt_tokens,
+                                             r.sent, error="engine double failed on purpose",
+                                             error_code=ErrorCode.INTERNAL))
+                self._finish(r)
+                continue
+            new = r.echo[r.sent:r.sent + 1]
+            r.sent += len(new)
+            reason = None
+            if r.sent == len(r.echo) and not (r.error or r.hang):
+                reason = "stop" if r.stop else "length"
+                if r.stop:
+                    new.append(self.eos)
+            outputs.append(RequestOutput(r.request_id, new, reason, r.num_prompt_tokens,
+                                         len(new) if r.sent == 0 else r.sent))
+            if reason is not None:
+                self._finish(r)
+        return outputs
 
-    async def abort(self, request_id: str) -> bool:
-        self.aborted.append(request_id)
-        return True
+    def _finish(self, r: Running) -> None:
+        del self.running[r.request_id]
+        self.finished += 1
 
-    async def stats(self) -> EngineStats:
-        return EngineStats(0, len(self.running), 0, 0, 0, len(self.log))
+    def _wait_s(self, now: float) -> float:
+        due = [r.next_at for r in self.running.values()
+               if not (r.gated or (r.hang and r.sent))]
+        if not due:
+            return IDLE_WAIT_S
+        return min(max(min(due) - now, 0.0), IDLE_WAIT_S)
 
-    async def health(self) -> dict:
-        return {"status": "ok"}
+    def _stats(self) -> EngineStats:
+        gated = sum(r.gated for r in self.running.values())
+        return EngineStats(num_waiting=gated, num_running=len(self.running) - gated,
+                           num_kv_blocks_total=0, num_kv_blocks_free=0, mm_bytes_held=0,
+                           num_requests_finished=self.finished,
+                           max_requests=self.server.max_requests)
 
-    async def test_log(self) -> dict:
-        return {"requests": self.log, "cancelled": self.cancelled, "aborted": self.aborted,
-                "running": sorted(self.running)}
+    # ---- the test's commands
+
+    def command(self, line: str) -> dict:
+        with self.lock:
+            if line == "log":
+                return {"requests": list(self.requests), "aborted": list(self.aborted),
+                        "running": sorted(self.running)}
+            if line == "open_gate":
+                gated = [r for r in self.running.values() if r.gated]
+                for r in gated:
+                    r.gated = False
+                return {"opened": len(gated)}
+        return {"error": f"unknown command {line!r}"}
+
+    def serve_commands(self) -> None:
+        for line in sys.stdin:
+            answer = self.command(line.strip())
+            sys.stdout.write(json.dumps(answer) + "\n")
+            sys.stdout.flush()
+        self.stopping = True  # stdin closed: the test is gone
 
 
-async def serve(address: str, model_dir: str) -> None:
-    double = EngineDouble(model_dir)
-    server = RpcServer(address, Codec(types=WIRE_TYPES))
-    server.register_stream("generate", double.generate)
-    for name in ("abort", "stats", "health", "test_log", "open_gate"):
-        server.register_unary(name, getattr(double, name))
-    await server.start()
-    print("ready", flush=True)
-    await asyncio.Event().wait()
+def main(argv: list[str]) -> None:
+    address, model_dir = argv[0], argv[1]
+    max_requests = int(argv[2]) if len(argv) > 2 else 64
+    peer_timeout_s = float(argv[3]) if len(argv) > 3 else 3.0
+    server = EngineServer(address, max_requests, peer_timeout_s=peer_timeout_s)
+    double = EngineDouble(model_dir, server)
+    server.stats = double._stats()
+    server.start()
+    try:
+        threading.Thread(target=double.serve_commands, name="test-commands", daemon=True).start()
+        print("ready", flush=True)
+        double.run()
+    finally:
+        server.stop()
 
 
 if __name__ == "__main__":
-    asyncio.run(serve(sys.argv[1], sys.argv[2]))
+    main(sys.argv[1:])

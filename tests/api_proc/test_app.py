@@ -1,4 +1,4 @@
-"""The HTTP app against the engine test double (a real rpc server in another process)."""
+"""The HTTP app against the engine test double (a real engine socket in another process)."""
 
 from __future__ import annotations
 
@@ -140,9 +140,9 @@ def test_stop_string_stops_the_engine(server, engine_double):
     assert content.endswith("alpha beta ") and "STOP" not in content
     rid = f"{body['id']}-0"
     deadline = time.monotonic() + 3
-    while rid not in engine_double.log()["cancelled"] and time.monotonic() < deadline:
+    while rid not in engine_double.log()["aborted"] and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert rid in engine_double.log()["cancelled"]
+    assert rid in engine_double.log()["aborted"]
 
 
 def test_completions(server, engine_double, tiny_model_path):
@@ -267,10 +267,10 @@ def test_client_disconnect_aborts_the_engine_request(server, engine_double):
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         log = engine_double.log()
-        if rid in log["cancelled"]:
+        if rid in log["aborted"]:
             break
         time.sleep(0.05)
-    assert rid in log["cancelled"] and rid not in log["running"]
+    assert rid in log["aborted"] and rid not in log["running"]
     assert server.app.state.engine_client.num_in_flight == 0
 
 

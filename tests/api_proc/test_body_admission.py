@@ -15,7 +15,7 @@ import time
 import httpx
 
 from api_proc.media_loader import MediaLoader
-from api_proc.serving import BODY_ADMISSION_MIN_BYTES
+from api_proc.request_body import BODY_ADMISSION_MIN_BYTES
 from tests.api_proc.conftest import data_url, encode_image
 
 BUDGET = 6_000_000

@@ -1,60 +1,56 @@
+"""The API's side of the engines: routing, per-request streams, error codes, engine loss.
+
+Routing and stream logic run on EngineConnections with no socket (WireRecorder), fed engine
+steps directly; aborts, engine death and dropped streams run against the engine test double
+(tests/api_proc/engine_double.py, a real engine socket in another process).
+"""
+
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
+from tokenizers import Tokenizer
 
-from api_proc.engine_client import EngineClient, EngineHandle
+from api_proc.admission import AdmissionController
+from api_proc.engine_client import EngineClient, EngineConnection
 from api_proc.errors import BadRequestError, EngineError, EngineUnavailableError
-from rpc import RemoteError
-from shared.messages import GenerateRequest, RequestOutput
+from shared.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineStats,
+    ErrorCode,
+    RequestOutput,
+    StepOutputs,
+)
 from shared.sampling_params import SamplingParams
 
 
-class FakeRpcStream:
-    def __init__(self, outputs):
-        self.outputs = list(outputs)
-        self.closed = False
-
-    async def __anext__(self):
-        await asyncio.sleep(0)
-        if self.closed or not self.outputs:
-            raise StopAsyncIteration
-        item = self.outputs.pop(0)
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    async def aclose(self):
-        self.closed = True
+def _stats(max_requests: int = 8) -> EngineStats:
+    return EngineStats(0, 0, 0, 0, 0, 0, max_requests)
 
 
-class FakeRpc:
-    """Routing-logic double: records calls, replays scripted outputs."""
+class WireRecorder(EngineConnection):
+    """An EngineConnection without a socket: records what it sends (ids only) and is fed
+    engine steps with `answer`."""
 
-    def __init__(self, available=True):
-        self.available = available
-        self.streams: list[tuple[str, FakeRpcStream]] = []
-        self.calls: list[tuple] = []
-        self.script = None
+    def __init__(self, name: str, process=None, max_requests: int = 8, answered: bool = True):
+        super().__init__(f"ipc:///tmp/unit-{name}.sock", process)
+        self.sent: list[tuple] = []
+        self.max_requests = max_requests
+        if answered:
+            self.answer()
 
-    def stream(self, method, request):
-        rid = request.request_id
-        outputs = self.script(rid) if self.script else [
-            RequestOutput(rid, [1], None), RequestOutput(rid, [2], "length")]
-        s = FakeRpcStream(outputs)
-        self.streams.append((rid, s))
-        return s
+    def send(self, message) -> bool:
+        if type(message) is AddRequest:
+            self.sent.append(("add", message.request_id))
+        elif type(message) is AbortRequests:
+            self.sent.append(("abort", *message.request_ids))
+        return True
 
-    async def call(self, method, *args, timeout=None):
-        self.calls.append((method, *args))
-        return {"status": "ok"}
-
-    async def wait_ready(self, timeout=None):
-        pass
-
-    async def close(self):
-        pass
+    def answer(self, *outputs: RequestOutput) -> None:
+        self._on_step(StepOutputs(list(outputs), _stats(self.max_requests)))
 
 
 class DeadProcess:
@@ -64,109 +60,238 @@ class DeadProcess:
         return -9
 
 
-def _req(rid: str, prompt_len: int = 10, max_tokens: int = 5) -> GenerateRequest:
-    return GenerateRequest(rid, [1] * prompt_len, SamplingParams(max_tokens=max_tokens))
+def _req(rid: str, prompt_len: int = 10, max_tokens: int = 5) -> AddRequest:
+    return AddRequest(rid, [1] * prompt_len, SamplingParams(max_tokens=max_tokens))
+
+
+async def _drain(stream) -> list[RequestOutput]:
+    return [out async for out in stream]
+
+
+# ------------------------------------------------------------------ routing
 
 
 async def test_routes_to_the_least_outstanding_work():
-    a, b = EngineHandle("a", FakeRpc()), EngineHandle("b", FakeRpc())
+    a, b = WireRecorder("a"), WireRecorder("b")
     client = EngineClient([a, b])
-    big = client.submit(_req("big", prompt_len=1000))
+    big = client.submit(_req("big", prompt_len=1000, max_tokens=5))
     small = [client.submit(_req(f"s{i}", prompt_len=10)) for i in range(3)]
     assert big.engine is not small[0].engine
     assert all(s.engine is small[0].engine for s in small)  # 3 small ones < 1 big one
     assert client.num_in_flight == 4
-    for s in (big, *small):
-        async for _ in s:
-            pass
-    assert a.num_requests == b.num_requests == 0
+    assert ("add", "big") in big.engine.sent and ("add", "s2") in small[0].engine.sent
+
+    # once its prompt is prefilled, the big request's engine holds the least work left
+    big.engine.answer(RequestOutput("big", [7], None))
+    assert (await big.__anext__()).new_token_ids == [7]
+    assert big.engine.num_tokens == 4  # the 4 tokens it may still make
+    nxt = client.submit(_req("next"))
+    assert nxt.engine is big.engine
+
+    for s in (big, *small, nxt):
+        s.engine.answer(RequestOutput(s.request_id, [1, 2], "stop"))
+        assert [o.finish_reason for o in await _drain(s)] == ["stop"]
+    assert client.num_in_flight == 0
     assert a.num_tokens == b.num_tokens == 0
 
 
 async def test_ties_are_broken_round_robin():
-    engines = [EngineHandle(str(i), FakeRpc()) for i in range(3)]
+    engines = [WireRecorder(str(i)) for i in range(3)]
     client = EngineClient(engines)
     picked = []
     for i in range(6):
         s = client.submit(_req(f"r{i}"))
-        picked.append(s.engine.address)
+        picked.append(s.engine)
         await s.aclose()
-    assert sorted(set(picked)) == ["0", "1", "2"]
+        assert s.engine.sent[-2:] == [("add", f"r{i}"), ("abort", f"r{i}")]
+    assert all(picked.count(e) == 2 for e in engines), [e.address for e in picked]
 
 
 async def test_dead_and_unavailable_engines_are_skipped():
-    dead = EngineHandle("dead", FakeRpc(), process=DeadProcess())
-    down = EngineHandle("down", FakeRpc(available=False))
-    up = EngineHandle("up", FakeRpc())
+    dead = WireRecorder("dead", process=DeadProcess())
+    down = WireRecorder("down", answered=False)  # has never answered a ping
+    up = WireRecorder("up")
     client = EngineClient([dead, down, up])
     assert all(client.submit(_req(f"r{i}")).engine is up for i in range(3))
-    with pytest.raises(EngineUnavailableError, match="exited with code -9"):
+    assert dead.sent == down.sent == []
+    with pytest.raises(EngineUnavailableError, match="exited with code -9") as e:
         EngineClient([dead, down]).pick()
+    assert e.value.status == 503
     with pytest.raises(EngineUnavailableError, match="no engine is configured"):
         EngineClient([]).pick()
-    health = await EngineClient([dead, up]).health()
-    assert [h["ok"] for h in health] == [False, True]
+    health = await EngineClient([dead, down, up]).health()
+    assert [h["ok"] for h in health] == [False, False, True]
+    assert "exited" in health[0]["reason"] and health[1]["reason"] and health[2]["reason"] is None
 
 
-async def test_aclose_aborts_in_the_engine():
-    rpc = FakeRpc()
-    rpc.script = lambda rid: [RequestOutput(rid, [1], None)] * 5
-    client = EngineClient([EngineHandle("a", rpc)])
-    stream = client.submit(_req("x"))
-    await stream.__anext__()
-    await stream.aclose()
+async def test_a_full_engine_is_avoided_and_waited_for():
+    a, b = WireRecorder("a", max_requests=1), WireRecorder("b", max_requests=1)
+    client = EngineClient([a, b])
+    first = client.submit(_req("first", prompt_len=1))
+    second = client.submit(_req("second", prompt_len=1000))  # more work, but the one with room
+    assert {first.engine, second.engine} == {a, b}
+    with pytest.raises(EngineUnavailableError) as e:
+        await client.wait_for_room(0.05)
+    assert e.value.status == 503 and e.value.code == "engine_busy"
+
+    waiter = asyncio.ensure_future(client.wait_for_room(5))
     await asyncio.sleep(0.01)
-    assert rpc.streams[0][1].closed
-    assert ("abort", "x") in rpc.calls
-    assert client.num_in_flight == 0
+    assert not waiter.done()
+    first.engine.answer(RequestOutput("first", [1], "stop"))  # its engine has room again
+    await asyncio.wait_for(waiter, 1)
+    assert client.pick() is first.engine
+    await _drain(first)
+    await second.aclose()
+
+
+# ------------------------------------------------------------------ streams
+
+
+async def test_outputs_arriving_while_the_consumer_is_busy_are_merged():
+    engine = WireRecorder("a")
+    client = EngineClient([engine])
+    stream = client.submit(_req("x", prompt_len=3, max_tokens=10))
+    engine.answer(RequestOutput("x", [1], None, 3, 1))
+    assert (await stream.__anext__()).new_token_ids == [1]
+    # three steps come in while the consumer is elsewhere: one output carries them all
+    engine.answer(RequestOutput("x", [2], None, 3, 2))
+    engine.answer(RequestOutput("x", [3], None, 3, 3), RequestOutput("other", [9], None))
+    engine.answer(RequestOutput("x", [4, 5], "stop", 3, 5))
+    assert not stream.finished  # ended in the engine, but not all delivered
+    out = await stream.__anext__()
+    assert out.new_token_ids == [2, 3, 4, 5]
+    assert out.finish_reason == "stop" and out.num_completion_tokens == 5
+    assert stream.finished
+    with pytest.raises(StopAsyncIteration):
+        await stream.__anext__()
+    assert client.num_in_flight == 0 and engine.num_tokens == 0
+
+
+async def test_a_waiting_consumer_wakes_for_each_output():
+    engine = WireRecorder("a")
+    stream = EngineClient([engine]).submit(_req("x"))
+    consumer = asyncio.ensure_future(_drain(stream))
+    for i, reason in enumerate([None, None, "length"]):
+        await asyncio.sleep(0.005)
+        engine.answer(RequestOutput("x", [i], reason))
+    outs = await asyncio.wait_for(consumer, 1)
+    assert [o.new_token_ids for o in outs] == [[0], [1], [2]]
+
+
+@pytest.mark.parametrize("code, error, status, api_code", [
+    (ErrorCode.REJECTED, BadRequestError, 400, "engine_rejected"),
+    (ErrorCode.BUSY, EngineUnavailableError, 503, "engine_busy"),
+    (ErrorCode.STOPPING, EngineUnavailableError, 503, "engine_stopping"),
+    (ErrorCode.INTERNAL, EngineError, 500, "engine_error"),
+])
+async def test_error_codes_map_to_api_errors(code, error, status, api_code):
+    engine = WireRecorder("a")
+    client = EngineClient([engine])
+    stream = client.submit(_req("x"))
+    engine.answer(RequestOutput("x", [], "error", error="what the engine said", error_code=code))
+    with pytest.raises(error) as e:
+        await stream.__anext__()
+    assert type(e.value) is error
+    assert e.value.status == status and e.value.code == api_code
+    assert "what the engine said" in e.value.message
+    assert e.value.__context__ is None and e.value.__cause__ is None
+    assert client.num_in_flight == 0 and engine.num_tokens == 0
     with pytest.raises(StopAsyncIteration):
         await stream.__anext__()
 
 
-@pytest.mark.parametrize("failure, error, match", [
-    (RemoteError("RuntimeError", "RequestRejected: prompt too long"), BadRequestError, "prompt too long"),
-    (RemoteError("RuntimeError", "RequestRejected: engine queue is full (4 waiting)"),
-     EngineUnavailableError, "queue is full"),
-    (RemoteError("RuntimeError", "CUDA error"), EngineError, "CUDA error"),
-])
-async def test_remote_errors_map_to_api_errors(failure, error, match):
-    rpc = FakeRpc()
-    rpc.script = lambda rid: [failure]
-    client = EngineClient([EngineHandle("a", rpc)])
-    with pytest.raises(error, match=match) as e:
-        async for _ in client.generate(_req("x")):
-            pass
-    assert e.value.__context__ is None  # rebuilt from text, nothing chained
-    assert client.num_in_flight == 0
+# ------------------------------------------------------------------ against the engine double
 
 
-async def test_error_output_and_missing_finish():
-    rpc = FakeRpc()
-    rpc.script = lambda rid: [RequestOutput(rid, [], "error", error="boom")]
-    client = EngineClient([EngineHandle("a", rpc)])
-    with pytest.raises(EngineError, match="boom"):
-        async for _ in client.submit(_req("x")):
-            pass
-    rpc.script = lambda rid: [RequestOutput(rid, [1], None)]
-    with pytest.raises(EngineError, match="without a finish reason"):
-        async for _ in client.submit(_req("y")):
-            pass
-    assert client.num_in_flight == 0
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_path):
+    return Tokenizer.from_file(str(tiny_model_path / "tokenizer.json"))
 
 
-async def test_engine_process_death_fails_the_stream_with_503(fresh_engine_double, tiny_model_path):
-    client = EngineClient.connect([fresh_engine_double.address])
+@pytest.fixture
+def prompt(tokenizer):
+    def make(rid: str, text: str, max_tokens: int = 10) -> AddRequest:
+        return AddRequest(rid, tokenizer.encode(text).ids, SamplingParams(max_tokens=max_tokens))
+    return make
+
+
+async def _wait_for(predicate, what: str, timeout: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+async def test_aclose_aborts_in_the_engine(engine_double, prompt):
+    client = EngineClient.connect([engine_double.address])
     await client.start()
     try:
-        from tokenizers import Tokenizer
+        stream = client.submit(prompt("closed-early", "[[hang]] then stop me"))
+        assert (await stream.__anext__()).new_token_ids
+        assert "closed-early" in engine_double.log()["running"]
+        await stream.aclose()
+        assert client.num_in_flight == 0 and client.engines[0].num_tokens == 0
+        with pytest.raises(StopAsyncIteration):
+            await stream.__anext__()
+        await _wait_for(lambda: "closed-early" in engine_double.log()["aborted"], "the abort")
+        assert "closed-early" not in engine_double.log()["running"]
+    finally:
+        await client.close()
 
-        ids = Tokenizer.from_file(str(tiny_model_path / "tokenizer.json")).encode("[[hang]]").ids
-        stream = client.submit(GenerateRequest("dies", ids, SamplingParams(max_tokens=10)))
-        await stream.__anext__()
-        fresh_engine_double.kill()
-        with pytest.raises(EngineUnavailableError):
-            await asyncio.wait_for(stream.__anext__(), 10)
+
+async def test_the_double_s_failures_arrive_as_api_errors(engine_double, prompt):
+    client = EngineClient.connect([engine_double.address])
+    await client.start()
+    try:
+        with pytest.raises(BadRequestError, match="refused by the test double") as e:
+            await _drain(client.submit(prompt("refused", "[[refuse]] no")))
+        assert e.value.code == "engine_rejected"
+        stream = client.submit(prompt("fails", "[[error]] after one token"))
+        assert (await stream.__anext__()).new_token_ids
+        with pytest.raises(EngineError, match="failed on purpose") as e:
+            await stream.__anext__()
+        assert e.value.status == 500 and e.value.__context__ is None
+        outs = await _drain(client.submit(prompt("fine", "all good here", max_tokens=2)))
+        assert len(outs) == 2 and outs[-1].finish_reason == "length"
         assert client.num_in_flight == 0
+    finally:
+        await client.close()
+
+
+async def test_an_engine_past_its_capacity_answers_busy(start_engine_double, prompt):
+    double = start_engine_double(max_requests=1)
+    client = EngineClient.connect([double.address])
+    await client.start()
+    try:
+        held = client.submit(prompt("held", "[[gated]] one"))
+        await _wait_for(lambda: "held" in double.log()["running"], "the first request")
+        refused = client.submit(prompt("refused", "two"))  # submit itself does not wait
+        with pytest.raises(EngineUnavailableError) as e:
+            await asyncio.wait_for(refused.__anext__(), 3)
+        assert e.value.status == 503 and e.value.code == "engine_busy"
+        assert double.open_gate() == 1
+        assert (await asyncio.wait_for(_drain(held), 3))[-1].finish_reason == "stop"
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("watch_process, within_s", [(True, 1.0), (False, 2.0)],
+                         ids=["process-exit", "unanswered-pings"])
+async def test_engine_process_death_fails_the_stream_with_503(start_engine_double, prompt,
+                                                              watch_process, within_s):
+    double = start_engine_double()
+    client = EngineClient.connect([double.address], [double.process] if watch_process else None)
+    await client.start()
+    try:
+        stream = client.submit(prompt("dies", "[[hang]] until the end"))
+        await stream.__anext__()
+        double.kill()
+        died = time.monotonic()
+        with pytest.raises(EngineUnavailableError) as e:
+            await asyncio.wait_for(stream.__anext__(), 5)
+        assert time.monotonic() - died < within_s
+        assert e.value.status == 503
+        assert client.num_in_flight == 0 and client.engines[0].num_tokens == 0
         health = await client.health()
         assert not health[0]["ok"] and health[0]["reason"]
         with pytest.raises(EngineUnavailableError):
@@ -175,13 +300,31 @@ async def test_engine_process_death_fails_the_stream_with_503(fresh_engine_doubl
         await client.close()
 
 
-async def test_dropped_unconsumed_stream_settles_its_counters():
-    rpc = FakeRpc()
-    client = EngineClient([EngineHandle("a", rpc)])
-    client.submit(_req("dropped"))  # never iterated, never closed
-    import gc
+async def test_dropped_unconsumed_stream_settles_and_is_aborted(engine_double, prompt):
+    client = EngineClient.connect([engine_double.address])
+    await client.start()
+    admission = AdmissionController(1000, 1.0)
+    try:
+        reservation = await admission.acquire(600)
+        client.submit(prompt("dropped", "[[hang]] nobody reads me"), mm_reservation=reservation)
+        del reservation
+        # never iterated, never closed: its client left before the response started
+        assert client.num_in_flight == 0
+        await asyncio.sleep(0)  # the finalizer settles on the loop
+        assert client.engines[0].num_tokens == 0
+        assert admission.in_flight_bytes == 0
+        await _wait_for(lambda: "dropped" in engine_double.log()["aborted"], "the abort")
+        assert "dropped" not in engine_double.log()["running"]
+    finally:
+        await client.close()
 
-    gc.collect()
-    assert client.num_in_flight == 0 and client.engines[0].num_tokens == 0
-    await asyncio.sleep(0.01)
-    assert ("abort", "dropped") in rpc.calls
+
+async def test_a_silent_api_process_s_requests_are_aborted(start_engine_double, prompt):
+    double = start_engine_double(peer_timeout_s=0.5)
+    client = EngineClient.connect([double.address])
+    await client.start()
+    stream = client.submit(prompt("orphan", "[[hang]] left behind"))
+    await stream.__anext__()
+    await client.close()  # gone without a word, as a crashed API process would be
+    await _wait_for(lambda: "orphan" in double.log()["aborted"], "the engine to abort it")
+    assert double.log()["running"] == []

@@ -1,11 +1,13 @@
 """R1/R5: the multimodal payload is unreachable right after each hop hands it on.
 
 A weakref is held to the payload at every hop (request body model, base64 string, encoded
-image, decoded ImageInput and its pixel array, GenerateRequest) and each must be collected
-while the response is still streaming: on the plain path, with n > 1, when the client
-disconnects, when the engine fails, and on errors before the handoff, by reference counting
-alone (the garbage collector is off). The app-level tests also check with tracemalloc that
-no large block allocated for the request survives.
+image, decoded ImageInput and its pixel array, AddRequest) and each must be collected once
+the request is sent to the engine, before the engine has answered anything ([[gated]]
+requests): on the plain path, with n > 1, when the client disconnects, when the engine
+fails, and on errors before the handoff, by reference counting alone (the garbage collector
+is off). Only the pixel array may outlive the send briefly: zmq sends it without a copy and
+drops it once its frame is out. The app-level tests also check with tracemalloc that no
+large block allocated for the request survives.
 """
 
 from __future__ import annotations
@@ -26,8 +28,7 @@ import api_proc.serving as serving_module
 from api_proc.engine_client import EngineClient
 from api_proc.errors import EngineError
 from api_proc.media_loader import MediaLoader, MediaRef
-from rpc import Codec, RpcClient
-from shared.messages import WIRE_TYPES, GenerateRequest, ImageInput
+from shared.messages import AddRequest, ImageInput
 from shared.sampling_params import SamplingParams
 from tests.api_proc.conftest import data_url, encode_image
 
@@ -115,10 +116,10 @@ async def test_loader_errors_do_not_pin_the_payload(make_config, image_config):
         await loader.aclose()
 
 
-# ------------------------------------------------------------------ hops: rpc send, engine client
+# ------------------------------------------------------------------ hop: the engine client's send
 
 
-def _request(tiny_model_path, text: str, side: int = 112) -> GenerateRequest:
+def _request(tiny_model_path, text: str, side: int = 112) -> AddRequest:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tiny_model_path / "tokenizer.json"))
@@ -126,42 +127,49 @@ def _request(tiny_model_path, text: str, side: int = 112) -> GenerateRequest:
     grid = (1, side // 14, side // 14)
     image_id = tok.token_to_id("<|image_pad|>")
     ids = tok.encode(text).ids + [image_id] * (grid[1] * grid[2] // 4)
-    return GenerateRequest("req-" + str(time.monotonic_ns()), ids, SamplingParams(max_tokens=20),
-                           [ImageInput(pixels, grid)])
+    return AddRequest("req-" + str(time.monotonic_ns()), ids, SamplingParams(max_tokens=20),
+                      [ImageInput(pixels, grid)])
 
 
-def _payload_refs(request: GenerateRequest) -> list:
-    return [("generate request", weakref.ref(request)),
+def _payload_refs(request: AddRequest) -> list:
+    return [("add request", weakref.ref(request)),
             ("image input", weakref.ref(request.images[0])),
             ("pixels", weakref.ref(request.images[0].pixels))]
 
 
-async def test_rpc_stream_send_drops_the_payload(engine_double, tiny_model_path):
-    async with RpcClient(engine_double.address, Codec(types=WIRE_TYPES)) as rpc:
-        request = _request(tiny_model_path, "[[hang]] rpc hop")
-        refs = _payload_refs(request)
-        stream = rpc.stream("generate", request)
-        del request
-        await stream.__anext__()  # the engine got it and answered; the stream stays open
-        await wait_collected_async(refs)
-        await stream.aclose()
+async def _until(predicate, what: str, timeout: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
 
 
-@pytest.mark.parametrize("use_generate", [False, True])
-async def test_engine_client_drops_the_payload_after_handoff(engine_double, tiny_model_path,
-                                                             use_generate):
+# 112x112 pixels are below pyzmq's copy threshold (copied at the send), 448x448 above it
+# (sent zero-copy: zmq holds the array until its frame is out)
+@pytest.mark.parametrize("side", [112, 448], ids=["copied-frame", "zero-copy-frame"])
+async def test_engine_client_drops_the_payload_at_the_send(engine_double, tiny_model_path,
+                                                           side):
     client = EngineClient.connect([engine_double.address])
     await client.start()
     try:
-        request = _request(tiny_model_path, "[[hang]] engine client hop")
-        refs = _payload_refs(request)
-        stream = client.generate(request) if use_generate else client.submit(request)
+        request = _request(tiny_model_path, "[[gated]] engine client hop", side)
+        rid = request.request_id
+        request_refs, pixel_refs = _payload_refs(request)[:2], _payload_refs(request)[2:]
+        stream = client.submit(request)
         del request
-        out = await stream.__anext__()
-        assert out.new_token_ids
-        await wait_collected_async(refs)
+        await asyncio.sleep(0)
+        wait_collected(request_refs, timeout=0)  # nothing but zmq may hold any of it now
+        await wait_collected_async(pixel_refs, timeout=1.0)  # zmq lets go once it is sent
+        # the engine has it and has answered nothing yet: gone at the send, not at an output
+        await _until(lambda: rid in engine_double.log()["running"], "the engine to hold it")
+        first = asyncio.ensure_future(stream.__anext__())
+        done, _ = await asyncio.wait({first}, timeout=0.05)
+        assert not done, "a [[gated]] request answered before its gate opened"
         assert client.num_in_flight == 1
-        await stream.aclose()
+        assert engine_double.open_gate() >= 1
+        assert (await asyncio.wait_for(first, 3)).new_token_ids
+        outputs = [out async for out in stream]
+        assert outputs[-1].finish_reason == "stop"
         assert client.num_in_flight == 0
     finally:
         await client.close()
@@ -195,6 +203,7 @@ class RecordingLoader(MediaLoader):
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self.refs: list = []
+        self.pixel_bytes: list[int] = []
         self.gate = threading.Event()
         self.gate.set()
 
@@ -208,6 +217,7 @@ class RecordingLoader(MediaLoader):
             await asyncio.sleep(0.01)
         result = await super().decode(image)
         self.refs += [("image input", weakref.ref(result)), ("pixels", weakref.ref(result.pixels))]
+        self.pixel_bytes.append(result.nbytes)
         return result
 
 
@@ -240,8 +250,9 @@ def _big_blocks(snapshot, min_size: int = 1 << 20) -> list:
 
 
 def _open_stream(server, content, **body):
-    """Start a streaming chat request and read up to its first content chunk. The body is
-    encoded up front (and by this test's own client) so it is not a traced allocation."""
+    """Start a streaming chat request and read its first (role) chunk: sent once every
+    choice is handed to the engine, before any engine output. The body is encoded up front
+    (and by this test's own client) so it is not a traced allocation."""
     payload = json.dumps({"messages": [{"role": "user", "content": content}], "stream": True,
                           "max_tokens": 50, **body}).encode()
     return _open_stream_bytes(server, payload)
@@ -254,12 +265,13 @@ def _open_stream_bytes(server, payload: bytes):
     response = cm.__enter__()
     assert response.status_code == 200
     lines = response.iter_lines()
-    first_content = None
-    for line in lines:
-        if line.startswith("data: ") and '"content": ""' not in line:
-            first_content = json.loads(line[len("data: "):])
-            break
-    return client, cm, lines, first_content
+    first = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    return client, cm, lines, first
+
+
+def _rest(lines) -> list[str]:
+    return [line for line in lines if line.startswith("data: ")]
 
 
 def big_image_content(text: str, n_images: int = 1):
@@ -273,19 +285,28 @@ def big_image_content(text: str, n_images: int = 1):
 def test_streaming_request_holds_no_payload_after_handoff(start_app, engine_double, recorded, n):
     server = start_app(engine_double, loader_cls=RecordingLoader)
     loader = server.app.state.serving.loader
+    admission = server.app.state.admission
     payload = json.dumps({"messages": [{"role": "user", "content": big_image_content(
-        "[[hang]] keep streaming", n_images=2)}], "stream": True, "n": n}).encode()
+        "[[gated]] keep streaming", n_images=2)}], "stream": True, "n": n}).encode()
     tracemalloc.start()
     try:
         client, cm, lines, first = _open_stream_bytes(server, payload)
         refs = recorded + loader.refs
         assert len([r for r in refs if r[0] == "pixels"]) == 2  # once per image, whatever n is
-        wait_collected(refs)
+        wait_collected(refs, timeout=1.0)
         big = _big_blocks(tracemalloc.take_snapshot())
         assert big == [], [str(t.traceback) for t in big]
-        assert server.app.state.admission.in_flight_bytes == 0
-        running = engine_double.log()["running"]
-        assert sum(r.startswith(first["id"]) for r in running) == n  # still streaming
+        # the engine holds every choice and has answered none: each still holds its share of
+        # the budget, the bytes of the pixels the engine has not prefilled yet (R4)
+        ids = {f"{first['id']}-{i}" for i in range(n)}
+        assert ids <= set(engine_double.log()["running"])
+        assert admission.in_flight_bytes == n * sum(loader.pixel_bytes) > 0
+        assert engine_double.open_gate() >= n
+        rest = _rest(lines)
+        assert rest[-1] == "data: [DONE]"
+        finished = [json.loads(line[6:])["choices"][0] for line in rest[:-1]]
+        assert sorted(c["index"] for c in finished if c["finish_reason"] == "stop") == list(range(n))
+        assert admission.in_flight_bytes == 0
     finally:
         tracemalloc.stop()
         cm.__exit__(None, None, None)
@@ -295,15 +316,17 @@ def test_streaming_request_holds_no_payload_after_handoff(start_app, engine_doub
 def test_client_disconnect_mid_stream(start_app, engine_double, recorded):
     server = start_app(engine_double, loader_cls=RecordingLoader)
     loader = server.app.state.serving.loader
-    client, cm, lines, first = _open_stream(server, big_image_content("[[hang]] bye"))
+    client, cm, lines, first = _open_stream(server, big_image_content("[[gated]] bye"))
     cm.__exit__(None, None, None)
     client.close()
-    wait_collected(recorded + loader.refs)
+    wait_collected(recorded + loader.refs, timeout=1.0)
     deadline = time.monotonic() + 5
-    while f"{first['id']}-0" not in engine_double.log()["cancelled"]:
-        assert time.monotonic() < deadline, "engine request not cancelled"
+    while f"{first['id']}-0" not in engine_double.log()["aborted"]:
+        assert time.monotonic() < deadline, "engine request not aborted"
         time.sleep(0.05)
+    assert f"{first['id']}-0" not in engine_double.log()["running"]
     assert server.app.state.engine_client.num_in_flight == 0
+    assert server.app.state.admission.in_flight_bytes == 0
 
 
 def test_engine_error_mid_stream(start_app, engine_double, recorded):
@@ -392,10 +415,11 @@ def test_over_budget_is_429_and_drops_the_payload(start_app, engine_double, reco
 def test_engine_death_mid_stream(start_app, fresh_engine_double, recorded):
     server = start_app(fresh_engine_double, loader_cls=RecordingLoader)
     loader = server.app.state.serving.loader
-    client, cm, lines, first = _open_stream(server, big_image_content("[[hang]] then die"))
+    client, cm, lines, first = _open_stream(server, big_image_content("[[gated]] then die"))
     try:
+        wait_collected(recorded + loader.refs, timeout=1.0)
         fresh_engine_double.kill()
-        rest = [line for line in lines if line.startswith("data: ")]
+        rest = _rest(lines)
     finally:
         cm.__exit__(None, None, None)
         client.close()
@@ -403,3 +427,4 @@ def test_engine_death_mid_stream(start_app, fresh_engine_double, recorded):
     assert json.loads(rest[-2][len("data: "):])["error"]["type"] == "service_unavailable"
     wait_collected(recorded + loader.refs)
     assert server.app.state.engine_client.num_in_flight == 0
+    assert server.app.state.admission.in_flight_bytes == 0

@@ -13,8 +13,7 @@ import httpx
 import psutil
 import pytest
 
-from rpc import Codec, RpcClient
-from shared.messages import WIRE_TYPES
+from api_proc.engine_client import EngineConnection
 from tests.e2e.server_process import ServerProcess
 
 
@@ -31,12 +30,15 @@ def _chat(url: str, body: dict, **kw) -> httpx.Response:
 
 
 def _engine_stats(address: str):
+    """The stats a second API process would see: an engine answers any peer's ping."""
     async def go():
-        client = RpcClient(address, Codec(types=WIRE_TYPES))
+        connection = EngineConnection(address)
+        connection.open()
         try:
-            return await client.call("stats", timeout=5)
+            await connection.wait_ready(5)
+            return connection.stats
         finally:
-            await client.close()
+            await connection.close()
 
     return asyncio.run(go())
 

@@ -16,7 +16,7 @@ from api_proc.detokenizer import TokenDecoder
 from api_proc.prompt_builder import PromptBuilder
 from engine_proc.llm_engine import LLMEngine
 from shared.image_resize import resize_image
-from shared.messages import GenerateRequest, ImageInput
+from shared.messages import AddRequest, ImageInput
 from shared.model_config import load_model_config
 from shared.sampling_params import SamplingParams
 
@@ -44,7 +44,7 @@ def _offline_text(model_path, messages, images) -> tuple[str, int, int]:
                      for m in messages]
     ids = builder.build_chat(template_msgs, [g for _, g in resized])
     engine = LLMEngine(str(model_path), max_num_seqs=4, kv_cache_memory_bytes=32 << 20)
-    request = GenerateRequest("offline", ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+    request = AddRequest("offline", ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
                               [ImageInput(p, g) for p, g in resized])
     tokens = engine.generate([request])["offline"]
     return TokenDecoder(builder.tokenizer).decode(tokens), len(ids), len(tokens)

@@ -23,7 +23,7 @@ def test_allocate_append_free_round_trip():
         assert len(seq.block_table) == 2
     seq.append_token(9)
     bm.append(seq)
-    assert len(seq.block_table) == 3 and bm.num_used_blocks == 3
+    assert len(seq.block_table) == 3 and bm.num_free_blocks == bm.num_blocks - 3
     bm.free(seq)
     assert seq.block_table == [] and bm.num_free_blocks == 4
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine_proc.llm_engine import LLMEngine, RequestRejected
-from shared.messages import GenerateRequest, ImageInput
+from shared.messages import AddRequest, ImageInput
 from shared.model_config import load_model_config
 from shared.sampling_params import SamplingParams
 from tests.engine_proc.engine_factory import make_engine
@@ -51,11 +51,11 @@ def make_prompt(config, segments: list, seed: int = 0) -> tuple[list[int], list[
 
 def make_request(
     config, request_id: str, segments: list, prompt_seed: int = 0, **sampling
-) -> GenerateRequest:
+) -> AddRequest:
     ids, images = make_prompt(config, segments, prompt_seed)
     sampling.setdefault("max_tokens", MAX_TOKENS)
     sampling.setdefault("temperature", 0.0)
-    return GenerateRequest(request_id, ids, SamplingParams(**sampling), images)
+    return AddRequest(request_id, ids, SamplingParams(**sampling), images)
 
 
 class Reference:
@@ -106,7 +106,7 @@ ONE_IMAGE = [5, (56, 84), 9]
 TWO_IMAGES = [3, (56, 56), 4, (112, 84), 6]
 
 
-def run(engine: LLMEngine, requests: list[GenerateRequest]) -> dict[str, list[int]]:
+def run(engine: LLMEngine, requests: list[AddRequest]) -> dict[str, list[int]]:
     return engine.generate(requests)
 
 
@@ -222,14 +222,14 @@ def test_rejections(tiny_model_path, config):
         engine.add_request(make_request(config, "big", [60], max_tokens=200))
     ids, images = make_prompt(config, ONE_IMAGE)
     with pytest.raises(RequestRejected, match="no images"):
-        engine.add_request(GenerateRequest("noimg", ids, SamplingParams()))
+        engine.add_request(AddRequest("noimg", ids, SamplingParams()))
     bad = ImageInput(images[0].pixels, (1, 2, 2))
     with pytest.raises(RequestRejected, match="grid_thw"):
-        engine.add_request(GenerateRequest("grid", ids, SamplingParams(), [bad]))
+        engine.add_request(AddRequest("grid", ids, SamplingParams(), [bad]))
     with pytest.raises(RequestRejected, match="image tokens"):
-        engine.add_request(GenerateRequest("count", ids[:6] + ids[7:], SamplingParams(), images))
+        engine.add_request(AddRequest("count", ids[:6] + ids[7:], SamplingParams(), images))
     with pytest.raises(RequestRejected, match="vocabulary"):
-        engine.add_request(GenerateRequest("vocab", [10**6], SamplingParams()))
+        engine.add_request(AddRequest("vocab", [10**6], SamplingParams()))
     engine.add_request(make_request(config, "q1", TEXT))
     with pytest.raises(RequestRejected, match="already running"):
         engine.add_request(make_request(config, "q1", TEXT))

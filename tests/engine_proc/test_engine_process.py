@@ -1,5 +1,6 @@
-"""The engine process's RPC side: requests stream through a real socket, and no frame of the
-I/O thread or the busy loop keeps an image after the prefill that consumed it (R1, R3)."""
+"""The engine process behind a real socket, driven by the API's engine client: no frame of the
+I/O thread or the busy loop keeps an image after the prefill that consumed it (R1, R3),
+aborts free everything, and a bad request fails alone with a typed error."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import weakref
 import numpy as np
 import pytest
 
+from api_proc.engine_client import EngineClient
+from api_proc.errors import BadRequestError
 from engine_proc.engine_process import EngineProcess
-from rpc import Codec, IpcDir, RpcClient
+from rpc.sockets import IpcDir
 from shared.engine_config import EngineConfig
-from shared.messages import WIRE_TYPES, GenerateRequest, ImageInput
+from shared.messages import AddRequest, ImageInput
 from shared.model_config import load_model_config
 from shared.sampling_params import SamplingParams
 
@@ -27,7 +30,7 @@ def engine(tiny_model_path):
         arrived: list[weakref.ref] = []
         add_request = process.engine.add_request
 
-        def observe(request: GenerateRequest) -> None:
+        def observe(request: AddRequest) -> None:
             arrived.extend(weakref.ref(image.pixels) for image in request.images)
             add_request(request)
 
@@ -39,12 +42,18 @@ def engine(tiny_model_path):
         thread.join(timeout=10)
 
 
-def _image_request(cfg, request_id: str, side: int, max_tokens: int) -> GenerateRequest:
+async def _client(process: EngineProcess) -> EngineClient:
+    client = EngineClient.connect([process.config.address])
+    await client.start()
+    return client
+
+
+def _image_request(cfg, request_id: str, side: int, max_tokens: int) -> AddRequest:
     grid = (1, side // cfg.vision.patch_size, side // cfg.vision.patch_size)
     pixels = np.random.default_rng(0).integers(0, 256, (side, side, 3), dtype=np.uint8)
     n = grid[1] * grid[2] // cfg.vision.spatial_merge_size**2
     ids = [11, 12, cfg.vision_start_token_id] + [cfg.image_token_id] * n + [cfg.vision_end_token_id, 13]
-    return GenerateRequest(request_id, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+    return AddRequest(request_id, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                           ignore_eos=True), [ImageInput(pixels, grid)])
 
 
@@ -54,15 +63,15 @@ def test_images_are_gone_once_decoding(engine, tiny_model_path):
     cfg = load_model_config(tiny_model_path)
 
     async def run():
-        client = RpcClient(process.config.address, Codec(types=WIRE_TYPES))
-        streams = [client.stream("generate", _image_request(cfg, f"r{i}", 112 + 28 * i, 40))
+        client = await _client(process)
+        streams = [client.submit(_image_request(cfg, f"r{i}", 112 + 28 * i, 40))
                    for i in range(4)]
         firsts = [await s.__anext__() for s in streams]
         for _ in range(3):  # a few decode steps later, every prefill has run
             for s in streams:
                 await s.__anext__()
         alive = [ref for ref in arrived if ref() is not None]  # refcounting alone (gc is off)
-        stats = await client.call("stats")
+        stats = client.engines[0].stats  # came with the last step
         rest = []
         for s in streams:
             rest.append([o async for o in s])
@@ -82,15 +91,15 @@ def test_cancelled_stream_aborts_and_frees_everything(engine, tiny_model_path):
     cfg = load_model_config(tiny_model_path)
 
     async def run():
-        client = RpcClient(process.config.address, Codec(types=WIRE_TYPES))
-        stream = client.stream("generate", _image_request(cfg, "gone", 224, 10_000))
+        client = await _client(process)
+        stream = client.submit(_image_request(cfg, "gone", 224, 10_000))
         await stream.__anext__()
         await stream.aclose()
         for _ in range(100):
-            stats = await client.call("stats")
+            await asyncio.sleep(0.05)
+            stats = client.engines[0].stats  # pings bring it every 0.2 s
             if stats.num_running == 0:
                 break
-            await asyncio.sleep(0.05)
         await client.close()
         return stats
 
@@ -103,18 +112,17 @@ def test_cancelled_stream_aborts_and_frees_everything(engine, tiny_model_path):
 def test_bad_request_fails_alone_with_a_typed_error(engine, tiny_model_path):
     process, _ = engine
     cfg = load_model_config(tiny_model_path)
-    from rpc import RemoteError
 
     async def run():
-        client = RpcClient(process.config.address, Codec(types=WIRE_TYPES))
-        bad = GenerateRequest("bad", [cfg.image_token_id] * 3, SamplingParams(max_tokens=2))
-        with pytest.raises(RemoteError) as err:
-            [o async for o in client.stream("generate", bad)]
+        client = await _client(process)
+        bad = AddRequest("bad", [cfg.image_token_id] * 3, SamplingParams(max_tokens=2))
+        with pytest.raises(BadRequestError) as err:
+            [o async for o in client.submit(bad)]
         good = _image_request(cfg, "good", 56, 3)
-        outs = [o async for o in client.stream("generate", good)]
+        outs = [o async for o in client.submit(good)]
         await client.close()
         return err.value, outs
 
     err, outs = asyncio.run(run())
-    assert "image" in str(err).lower()
+    assert "image" in str(err).lower() and err.code == "engine_rejected"
     assert sum(len(o.new_token_ids) for o in outs) == 3

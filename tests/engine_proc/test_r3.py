@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from engine_proc.llm_engine import LLMEngine
-from shared.messages import GenerateRequest, ImageInput
+from shared.messages import AddRequest, ImageInput
 from shared.model_config import load_model_config
 from shared.sampling_params import SamplingParams
 from tests.engine_proc.engine_factory import make_engine
@@ -41,16 +41,16 @@ def image_request(
         )
         ids += rng.integers(10, 3900, 3).tolist()
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return GenerateRequest(request_id, ids, sampling, images)
+    return AddRequest(request_id, ids, sampling, images)
 
 
-def hand_over(engine: LLMEngine, request: GenerateRequest) -> list[weakref.ref]:
+def hand_over(engine: LLMEngine, request: AddRequest) -> list[weakref.ref]:
     """add_request, keeping only weakrefs to the request and its pixel arrays."""
     refs = [weakref.ref(image.pixels) for image in request.images]
     request_ref = weakref.ref(request)
     engine.add_request(request)
     del request
-    assert request_ref() is None, "the engine kept the GenerateRequest"
+    assert request_ref() is None, "the engine kept the AddRequest"
     return refs
 
 

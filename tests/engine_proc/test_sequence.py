@@ -13,7 +13,7 @@ def test_counters_follow_tokens():
     seq.num_computed_tokens = 3
     seq.append_token(9)
     assert seq.num_uncomputed_tokens == 1 and seq.last_token_id == 9
-    assert seq.completion_token_ids == [9] and seq.num_cached_tokens == 3
+    assert seq.completion_token_ids == [9] and seq.num_computed_tokens == 3
     assert not seq.has_images and seq.mm_bytes == 0
 
 

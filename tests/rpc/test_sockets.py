@@ -7,30 +7,33 @@ import stat
 
 import pytest
 
-from rpc import Codec, IpcDir, RpcClient, RpcServer, new_ipc_address
-from rpc.transport import check_address
+from rpc.engine_server import EngineServer
+from rpc.sockets import IpcDir, check_address, new_ipc_address
 
 
-async def test_ipc_dir_is_private_and_removed_on_close(codec: Codec) -> None:
+def test_ipc_dir_is_private_and_the_socket_file_goes_with_the_server() -> None:
     with IpcDir() as d:
         assert stat.S_IMODE(os.stat(d.path).st_mode) == 0o700
         address = d.address("engine-0")
         assert address == f"ipc://{d.path}/engine-0.sock"
-        server = RpcServer(address, codec)
-        server.register_unary("ping", _ping)
-        await server.start()
-        client = RpcClient(address, codec)
-        assert await client.call("ping") == "pong"
-        await client.close()
+        server = EngineServer(address, max_requests=4)
+        server.start()
         assert os.path.exists(address[len("ipc://"):])
-        await server.close()
-        assert not os.path.exists(address[len("ipc://"):])  # the socket file went with it
+        server.stop()
+        assert not os.path.exists(address[len("ipc://"):])
         path = d.path
     assert not os.path.exists(path)
 
 
-async def _ping() -> str:
-    return "pong"
+def test_an_address_in_use_fails_at_start() -> None:
+    first = EngineServer("tcp://127.0.0.1:*", max_requests=4)
+    first.start()
+    try:
+        assert first.address.startswith("tcp://127.0.0.1:") and not first.address.endswith("*")
+        with pytest.raises(OSError, match="cannot bind"):
+            EngineServer(first.address, max_requests=4).start()
+    finally:
+        first.stop()
 
 
 def test_new_ipc_address_uses_a_private_process_directory() -> None:
@@ -46,7 +49,8 @@ def test_bad_ipc_names(name: str) -> None:
         d.address(name)
 
 
-@pytest.mark.parametrize("address", ["http://x", "ipc://" + "/x" * 60, "tcp:/oops", ""])
+@pytest.mark.parametrize("address", ["http://x", "ipc://" + "/x" * 60, "tcp:/oops", "",
+                                     "inproc://x"])
 def test_bad_addresses(address: str) -> None:
     with pytest.raises(ValueError):
         check_address(address)

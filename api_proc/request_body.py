@@ -1,0 +1,84 @@
+"""Reading a request body: refused at max_body_bytes, and admitted by bytes before it is
+read when it is large (R4); the pipeline takes the bytes out of the holder (R1)."""
+
+from __future__ import annotations
+
+from starlette.requests import ClientDisconnect, Request
+
+from api_proc.admission import AdmissionController, Reservation
+from api_proc.errors import PayloadTooLargeError
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected; nothing is sent back."""
+
+
+class RequestBody:
+    """Holder of a request's raw bytes; the pipeline takes them out (R1). `reservation`:
+    the admission bytes a large body holds until the pipeline exchanges them for its images'
+    or, with no images, lets them go once parsed (R4)."""
+
+    __slots__ = ("data", "reservation")
+
+    def __init__(self, data: bytes, reservation: Reservation | None = None):
+        self.data: bytes | None = data
+        self.reservation = reservation
+
+    def take(self) -> bytes:
+        data, self.data = self.data, None
+        if data is None:
+            raise RuntimeError("request body already taken")
+        return data
+
+    def release(self) -> None:
+        """Give back whatever the pipeline has not exchanged (idempotent)."""
+        if self.reservation is not None:
+            self.reservation.release()
+
+
+# Bodies below this are read without admission: uvicorn buffers this much of every
+# connection's body before the app reads it anyway.
+BODY_ADMISSION_MIN_BYTES = 64 << 10
+# While a body is parsed, its bytes and the strings parsed from them exist together.
+BODY_COPIES = 2
+
+
+async def read_body(request: Request, limit: int, admission: AdmissionController
+                    ) -> RequestBody:
+    """The request body, refused with 413 as soon as it passes `limit` bytes. A large body
+    is admitted before it is read (R4): its declared length up front, an undeclared one in
+    doubling steps as it arrives. Until admitted, its bytes stay in the socket buffers."""
+    declared = request.headers.get("content-length")
+    size_hint = int(declared) if declared is not None and declared.isdigit() else None
+    if size_hint is not None and size_hint > limit:
+        raise PayloadTooLargeError(f"request body is larger than max_body_bytes={limit}",
+                                   code="body_too_large")
+    budget = admission.budget_bytes
+    reservation = None
+    if size_hint is not None and size_hint >= BODY_ADMISSION_MIN_BYTES:
+        reservation = await admission.acquire(min(BODY_COPIES * size_hint, budget))
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLargeError(f"request body is larger than max_body_bytes={limit}",
+                                           code="body_too_large")
+            chunks.append(chunk)
+            if size_hint is None and size >= BODY_ADMISSION_MIN_BYTES:
+                held = reservation.nbytes if reservation is not None else 0
+                if held < min(BODY_COPIES * size, budget):
+                    more = await admission.acquire(min(max(2 * held, BODY_COPIES * size),
+                                                       budget) - held)
+                    if reservation is None:
+                        reservation = more
+                    else:
+                        reservation.absorb(more)
+    except BaseException as e:
+        if reservation is not None:
+            reservation.release()
+        if isinstance(e, ClientDisconnect):
+            raise ClientGone() from None
+        raise
+    return RequestBody(chunks[0] if len(chunks) == 1 else b"".join(chunks), reservation)

@@ -1,0 +1,153 @@
+"""From engine outputs to OpenAI responses: the choices' outputs merged into one sequence,
+detokenized, and rendered as one JSON body or as SSE chunks ending with `data: [DONE]`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+
+from api_proc.errors import APIError
+from api_proc.metrics import Metrics
+from api_proc.protocol import (
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionMessage,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionResponse,
+)
+from api_proc.serving import Choice, Prepared
+
+DONE = b"data: [DONE]\n\n"
+
+
+class ResponseWriter:
+    """Turns a Prepared request's engine outputs into its response; counts tokens and TTFT."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    async def _outputs(self, p: Prepared) -> AsyncIterator[tuple[Choice, object]]:
+        if len(p.choices) == 1:
+            c = p.choices[0]
+            async for out in c.stream:
+                yield c, out
+            return
+        pending = {asyncio.ensure_future(c.stream.__anext__()): c for c in p.choices}
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for fut in done:
+                    c = pending.pop(fut)
+                    try:
+                        out = fut.result()
+                    except StopAsyncIteration:
+                        continue
+                    yield c, out
+                    if not c.stream.finished:
+                        pending[asyncio.ensure_future(c.stream.__anext__())] = c
+        finally:
+            for fut in pending:
+                fut.cancel()
+                fut.add_done_callback(_retrieve)
+
+    async def _advance(self, p: Prepared, c: Choice, out) -> tuple[str, str | None]:
+        """New text and finish reason of choice `c` after engine output `out`."""
+        ids = out.new_token_ids
+        if ids:
+            c.num_tokens += len(ids)
+            self.metrics.completion_tokens.inc(len(ids))
+            if p.first_token_at is None:
+                p.first_token_at = time.monotonic()
+                self.metrics.ttft.observe(p.first_token_at - p.arrival)
+        text = c.detok.step(ids)
+        finish = out.finish_reason
+        if c.detok.stopped:
+            finish = "stop"
+            await c.stream.aclose()  # stop string: the engine stops too
+        elif finish is not None:
+            text += c.detok.finish()
+        c.finish_reason = finish
+        return text, finish
+
+    async def close(self, p: Prepared) -> None:
+        for c in p.choices:
+            await c.stream.aclose()
+
+    async def collect(self, p: Prepared) -> dict:
+        """Run a non-streaming request to the end; the OpenAI response body."""
+        outputs = self._outputs(p)
+        try:
+            async for c, out in outputs:
+                text, _ = await self._advance(p, c, out)
+                if text:
+                    c.texts.append(text)
+        finally:
+            await outputs.aclose()
+            await self.close(p)
+        if p.kind == "chat":
+            return ChatCompletionResponse(
+                id=p.id, created=p.created, model=p.model, usage=p.usage,
+                choices=[ChatCompletionChoice(index=c.index, finish_reason=c.finish_reason,
+                                              message=ChatCompletionMessage(content="".join(c.texts)))
+                         for c in p.choices]).model_dump()
+        return CompletionResponse(
+            id=p.id, created=p.created, model=p.model, usage=p.usage,
+            choices=[CompletionChoice(index=c.index, text="".join(c.texts),
+                                      finish_reason=c.finish_reason) for c in p.choices]
+        ).model_dump()
+
+    async def stream(self, p: Prepared, on_end) -> AsyncIterator[bytes]:
+        """SSE chunks of a streaming request, ending with `data: [DONE]`; on_end(status)."""
+        status = 200
+        outputs = self._outputs(p)
+        try:
+            if p.kind == "chat":
+                for c in p.choices:
+                    yield self._chunk(p, c.index, None, None)
+            async for c, out in outputs:
+                text, finish = await self._advance(p, c, out)
+                if text or finish:
+                    yield self._chunk(p, c.index, text, finish)
+            if p.include_usage:
+                cls = ChatCompletionChunk if p.kind == "chat" else CompletionChunk
+                body = cls(id=p.id, created=p.created, model=p.model, choices=[], usage=p.usage)
+                yield _sse(body.model_dump_json())
+            yield DONE
+        except APIError as e:
+            status = e.status
+            yield _sse(json.dumps(e.to_dict()))
+            yield DONE
+        except BaseException:
+            status = 499  # client gone (cancelled) or a bug
+            raise
+        finally:
+            await outputs.aclose()
+            await self.close(p)
+            on_end(status)
+
+    def _chunk(self, p: Prepared, index: int, text: str | None, finish: str | None) -> bytes:
+        """One SSE chunk (built as a dict: exactly OpenAI's field set, nulls included).
+        For chat, text=None is the opening chunk that carries the role."""
+        if p.kind == "chat":
+            delta = {"role": "assistant", "content": ""} if text is None else {"content": text}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+            obj = "text_completion"
+        return _sse(json.dumps({"id": p.id, "object": obj, "created": p.created,
+                                "model": p.model, "choices": [choice]}, ensure_ascii=False))
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    """Mark a future's exception as seen (its request is gone; the error is moot)."""
+    if not fut.cancelled():
+        fut.exception()
+
+
+def _sse(payload: str) -> bytes:
+    return b"data: " + payload.encode() + b"\n\n"

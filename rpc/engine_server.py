@@ -1,0 +1,249 @@
+"""The engine's end of the wire: a ROUTER socket served by a thread of its own.
+
+The engine's busy loop stays synchronous. Between steps it takes the commands that arrived
+(`take_commands`: AddRequest and AbortRequests, in arrival order) and after each step it
+posts the step's outputs (`send_step`); this thread sends them as one StepOutputs per API
+process. It answers pings at once, with the stats the busy loop last published, so a long
+model step never looks like a dead engine, and it aborts the requests of an API process that
+has gone silent for `peer_timeout_s` (the API pings several times a second).
+
+Flow control: the engine holds at most `max_requests` requests. The API reads that capacity
+from the stats and never sends more; an AddRequest beyond it is refused here at once with
+ErrorCode.BUSY and its pixels dropped, so nothing queues in this process without bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import zmq
+
+from rpc.codec import DecodeError, decode, encode, peek_request_id
+from rpc.sockets import make_socket
+from shared.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineStats,
+    ErrorCode,
+    Ping,
+    RequestOutput,
+    StepOutputs,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_RECV_PER_WAKE = 1024
+MAX_PENDING_PER_PEER = 1000  # steps waiting for a peer whose pipe stays full: it is not reading
+
+
+class EngineServer:
+    def __init__(self, address: str, max_requests: int, *, peer_timeout_s: float = 3.0) -> None:
+        self.address = address
+        self.max_requests = max_requests
+        self.peer_timeout_s = peer_timeout_s
+        self.stats: EngineStats | None = None  # published by the busy loop, read here
+        self._commands: queue.SimpleQueue[AddRequest | AbortRequests] = queue.SimpleQueue()
+        self._has_commands = threading.Event()
+        self._steps: queue.SimpleQueue[list[RequestOutput]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        # the I/O thread's own state
+        self._owner: dict[str, bytes] = {}  # request id -> the API process that sent it
+        self._last_seen: dict[bytes, float] = {}
+        self._pending: dict[bytes, deque[list[Any]]] = {}  # frames waiting for room
+
+    # ---- the busy loop's side ---------------------------------------------------------
+
+    def start(self) -> None:
+        """Bind and start serving; raises if the address cannot be bound."""
+        ready: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, args=(ready,), name="engine-io",
+                                        daemon=True)
+        self._thread.start()
+        error = ready.get()
+        if error is not None:
+            raise error
+
+    def take_commands(self) -> list[AddRequest | AbortRequests]:
+        self._has_commands.clear()
+        commands = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                commands.append(self._commands.get_nowait())
+        return commands
+
+    def wait_for_commands(self, timeout: float) -> None:
+        self._has_commands.wait(timeout)
+
+    def send_step(self, outputs: list[RequestOutput]) -> None:
+        self._steps.put(outputs)
+        os.write(self._wake_w, b"\0")
+
+    def stop(self) -> None:
+        """Send what was posted, then close the socket."""
+        self._stopping.set()
+        os.write(self._wake_w, b"\0")
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    # ---- the I/O thread ---------------------------------------------------------------
+
+    def _run(self, ready: queue.SimpleQueue) -> None:
+        sock = make_socket(zmq.Context.instance(), zmq.ROUTER)
+        try:
+            sock.bind(self.address)
+            self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError as e:
+            sock.close()
+            ready.put(OSError(f"cannot bind {self.address}: {e}"))
+            return
+        ready.put(None)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        try:
+            while not self._stopping.is_set():
+                events = dict(poller.poll(1 if self._pending else 250))
+                if self._wake_r in events:
+                    os.read(self._wake_r, 4096)
+                if sock in events:
+                    self._receive(sock)
+                self._route_steps(sock)
+                self._flush(sock)
+                self._reap_silent_peers()
+            self._route_steps(sock)  # the busy loop's last words (STOPPING errors)
+            self._flush(sock)
+        finally:
+            sock.close(linger=200)
+            if self.address.startswith("ipc://"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.address[len("ipc://"):])
+
+    def _receive(self, sock: zmq.Socket) -> None:
+        for _ in range(MAX_RECV_PER_WAKE):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            peer = frames[0].bytes
+            self._last_seen[peer] = time.monotonic()
+            try:
+                message = decode(frames[1:])
+            except DecodeError as e:
+                log.warning("malformed message from %s refused: %s", peer.hex(), e)
+                request_id = peek_request_id(frames[1:])
+                if request_id is not None and request_id not in self._owner:
+                    self._refuse(sock, peer, request_id, ErrorCode.REJECTED, f"malformed: {e}")
+                continue
+            del frames
+            kind = type(message)
+            if kind is AddRequest:
+                self._add(sock, peer, message)
+            elif kind is AbortRequests:
+                ids = [r for r in message.request_ids if self._owner.get(r) == peer]
+                for request_id in ids:
+                    del self._owner[request_id]
+                self._command(AbortRequests(ids))
+            elif kind is Ping:
+                self._post(sock, peer, StepOutputs([], self.stats))
+            else:
+                log.warning("unexpected %s from %s ignored", kind.__name__, peer.hex())
+            message = None  # R1: the busy loop holds the request now
+
+    def _add(self, sock: zmq.Socket, peer: bytes, request: AddRequest) -> None:
+        request_id = request.request_id
+        if not isinstance(request_id, str):
+            log.warning("AddRequest without a string request id from %s ignored", peer.hex())
+        elif request_id in self._owner:
+            self._refuse(sock, peer, request_id, ErrorCode.REJECTED,
+                         f"request id {request_id!r} is already running")
+        elif len(self._owner) >= self.max_requests:
+            self._refuse(sock, peer, request_id, ErrorCode.BUSY,
+                         f"engine holds its maximum of {self.max_requests} requests")
+        else:
+            self._owner[request_id] = peer
+            self._command(request)
+
+    def _command(self, command: AddRequest | AbortRequests) -> None:
+        self._commands.put(command)
+        self._has_commands.set()
+
+    def _refuse(self, sock: zmq.Socket, peer: bytes, request_id: str, code: ErrorCode,
+                error: str) -> None:
+        output = RequestOutput(request_id, [], "error", error=error, error_code=code)
+        self._post(sock, peer, StepOutputs([output], self.stats))
+
+    def _route_steps(self, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                outputs = self._steps.get_nowait()
+            except queue.Empty:
+                return
+            by_peer: dict[bytes, list[RequestOutput]] = {}
+            for output in outputs:
+                peer = self._owner.get(output.request_id)
+                if peer is None:
+                    continue  # aborted by its API process, or that process is gone
+                if output.finish_reason is not None:
+                    del self._owner[output.request_id]
+                by_peer.setdefault(peer, []).append(output)
+            for peer, mine in by_peer.items():
+                self._post(sock, peer, StepOutputs(mine, self.stats))
+
+    def _post(self, sock: zmq.Socket, peer: bytes, message: StepOutputs) -> None:
+        frames = [peer, *encode(message)]
+        pending = self._pending.get(peer)
+        if pending is None and self._send(sock, peer, frames):
+            return
+        if pending is None:
+            pending = self._pending[peer] = deque()
+        pending.append(frames)
+        if len(pending) > MAX_PENDING_PER_PEER:
+            self._drop_peer(peer, f"{len(pending)} messages waiting: it stopped reading")
+
+    def _send(self, sock: zmq.Socket, peer: bytes, frames: list[Any]) -> bool:
+        """True when sent or the peer is gone; False when its pipe is full."""
+        try:
+            sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            self._drop_peer(peer, "disconnected")
+        return True
+
+    def _flush(self, sock: zmq.Socket) -> None:
+        for peer, pending in list(self._pending.items()):
+            while pending and self._send(sock, peer, pending[0]):
+                if self._pending.get(peer) is not pending:
+                    break  # dropped while sending
+                pending.popleft()
+            if not pending and self._pending.get(peer) is pending:
+                del self._pending[peer]
+
+    def _reap_silent_peers(self) -> None:
+        now = time.monotonic()
+        for peer, seen in list(self._last_seen.items()):
+            if now - seen > self.peer_timeout_s:
+                self._drop_peer(peer, f"silent for {now - seen:.1f} s")
+
+    def _drop_peer(self, peer: bytes, reason: str) -> None:
+        ids = [r for r, p in self._owner.items() if p == peer]
+        if ids:
+            log.warning("API process %s %s: aborting its %d requests", peer.hex(), reason, len(ids))
+            for request_id in ids:
+                del self._owner[request_id]
+            self._command(AbortRequests(ids))
+        self._pending.pop(peer, None)
+        self._last_seen.pop(peer, None)

@@ -1,0 +1,173 @@
+"""CPU per streamed token of the API <-> engine wire, on both sides, with no model.
+
+A real engine process (engine_proc/engine_process.py: busy loop, socket thread) runs with a
+stand-in for the model: each step sleeps `--step-ms` (a forward pass, GIL released) and gives
+every running request one token. This process is the API side: the real engine client, a
+closed loop of `--concurrency` requests of `--output-len` tokens, every stream read to the
+end. CPU seconds of each process over the run, divided by the tokens streamed, is what the
+wire costs per token: the stand-in's own work per token is printed beside it, measured
+alone, as the floor no wire can go under.
+
+    .venv/bin/python scripts/bench_wire.py [--requests 512] [--concurrency 32] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import signal
+import time
+from typing import Any
+
+import psutil
+
+from shared.messages import AddRequest, EngineStats, RequestOutput
+from shared.sampling_params import SamplingParams
+
+
+class StandInEngine:
+    """What the engine process needs of LLMEngine, with one token per request per step."""
+
+    step_s = 0.0
+    max_requests = 1 << 20
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.seqs: dict[str, list[int]] = {}  # id -> [tokens left, tokens made, prompt length]
+
+    @classmethod
+    def from_config(cls, config: Any) -> StandInEngine:
+        return cls()
+
+    def add_request(self, request: AddRequest) -> None:
+        self.seqs[request.request_id] = [request.sampling.max_tokens, 0,
+                                         len(request.prompt_token_ids)]
+
+    def abort_request(self, request_id: str) -> bool:
+        return self.seqs.pop(request_id, None) is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.seqs)
+
+    def step(self) -> list[RequestOutput]:
+        if self.step_s:
+            time.sleep(self.step_s)
+        outputs = []
+        for request_id, seq in list(self.seqs.items()):
+            seq[0] -= 1
+            seq[1] += 1
+            finish = None
+            if seq[0] == 0:
+                finish = "length"
+                del self.seqs[request_id]
+            outputs.append(RequestOutput(request_id, [seq[1] % 1000], finish, seq[2], seq[1]))
+        return outputs
+
+    def stats(self) -> EngineStats:
+        return EngineStats(num_waiting=0, num_running=len(self.seqs), num_kv_blocks_total=0,
+                           num_kv_blocks_free=0, mm_bytes_held=0)
+
+
+def _engine_main(address: str, step_s: float) -> None:
+    import engine_proc.engine_process as engine_process
+    from shared.engine_config import EngineConfig
+
+    StandInEngine.step_s = step_s
+    engine_process.LLMEngine = StandInEngine
+    process = engine_process.EngineProcess(EngineConfig(model="stand-in", address=address))
+    signal.signal(signal.SIGTERM, lambda *_: process.stop())
+    process.run()
+
+
+def _cpu_s(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
+async def _api_side(address: str, pid: int, args: argparse.Namespace) -> dict[str, float]:
+    from api_proc.engine_client import EngineClient
+
+    client = EngineClient.connect([address])
+    await client.start(timeout_s=30)
+    engine, me = psutil.Process(pid), psutil.Process()
+    sampling = SamplingParams(max_tokens=args.output_len)
+    prompt = list(range(1, args.prompt_len + 1))
+    tokens = 0
+    ids = iter(range(args.requests))
+
+    async def worker() -> None:
+        nonlocal tokens
+        for i in ids:
+            async for output in client.submit(AddRequest(f"r{i}", prompt, sampling)):
+                tokens += len(output.new_token_ids)
+
+    await asyncio.sleep(0.5)  # let start-up work settle before the clock starts
+    engine0, me0, t0 = _cpu_s(engine), _cpu_s(me), time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+    wall = time.perf_counter() - t0
+    engine_cpu, api_cpu = _cpu_s(engine) - engine0, _cpu_s(me) - me0
+    await client.close()
+    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "engine_us_per_token": engine_cpu / tokens * 1e6,
+            "api_us_per_token": api_cpu / tokens * 1e6}
+
+
+def _stand_in_alone(args: argparse.Namespace) -> float:
+    """CPU per token of the stand-in's own steps, no wire: the floor of the engine column."""
+    engine = StandInEngine()
+    sampling = SamplingParams(max_tokens=args.output_len)
+    prompt = list(range(1, args.prompt_len + 1))
+    start, tokens, next_id = time.process_time(), 0, 0
+    while next_id < args.requests or engine.seqs:
+        while len(engine.seqs) < args.concurrency and next_id < args.requests:
+            engine.add_request(AddRequest(f"r{next_id}", prompt, sampling))
+            next_id += 1
+        tokens += sum(len(o.new_token_ids) for o in engine.step())
+    return (time.process_time() - start) / tokens * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=512)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=200)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--step-ms", type=float, default=5.0, help="model time per step")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    args = parser.parse_args()
+    from rpc.sockets import IpcDir
+
+    with IpcDir() as ipc:
+        address = ipc.address("engine")
+        engine = mp.get_context("spawn").Process(target=_engine_main,
+                                                 args=(address, args.step_ms / 1000))
+        engine.start()
+        try:
+            try:
+                import uvloop
+
+                result = uvloop.run(_api_side(address, engine.pid, args))
+            except ImportError:
+                result = asyncio.run(_api_side(address, engine.pid, args))
+        finally:
+            os.kill(engine.pid, signal.SIGTERM)
+            engine.join(10)
+    result["stand_in_us_per_token"] = _stand_in_alone(args)
+    floor = result["stand_in_us_per_token"]
+    print(f"{args.requests} requests x {args.output_len} tokens, {args.concurrency} in flight, "
+          f"{args.step_ms} ms per step")
+    print(f"{'CPU per streamed token':<34}{'us':>8}{'x floor':>10}")
+    for key, label in (("engine_us_per_token", "engine process (loop + socket)"),
+                       ("api_us_per_token", "API process (engine client)"),
+                       ("stand_in_us_per_token", "floor: the stand-in's steps alone")):
+        print(f"{label:<34}{result[key]:>8.2f}{result[key] / floor:>10.1f}")
+    print(f"{'tokens/s':<34}{result['tokens_per_s']:>8.0f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
