@@ -21,7 +21,7 @@ import msgpack
 import numpy as np
 import zmq
 
-from shared.messages import WIRE_TYPES, AddRequest
+from shared.messages import WIRE_TYPES, AddRequest, RequestOutput, StepOutputs
 
 EXT_STRUCT = 1  # data: one byte, the index of the type in WIRE_TYPES
 EXT_ARRAY = 2  # [marker, shape, buffer index | inline bytes]
@@ -41,6 +41,8 @@ _FIELDS = [tuple(f.name for f in dataclasses.fields(t)) for t in WIRE_TYPES]
 _MARKERS = [msgpack.ExtType(EXT_STRUCT, bytes([i])) for i in range(len(WIRE_TYPES))]
 _INDEX = {t: i for i, t in enumerate(WIRE_TYPES)}
 _ARRAY = msgpack.ExtType(EXT_ARRAY, b"")
+_STEP_INDEX = _INDEX[StepOutputs]
+_STEP_MARKER = _MARKERS[_STEP_INDEX]
 _local = threading.local()  # one Encoder (a reusable msgpack Packer) per thread
 
 
@@ -112,6 +114,10 @@ class _Encoder:
         return [doc, *buffers]
 
     def default(self, obj: Any) -> Any:
+        if type(obj) is StepOutputs:  # the hot path: rows of plain values, no marker per output
+            return [_STEP_MARKER, [(o.request_id, o.new_token_ids, o.finish_reason,
+                                    o.num_prompt_tokens, o.num_completion_tokens, o.error,
+                                    o.error_code) for o in obj.outputs], obj.stats]
         index = _INDEX.get(type(obj))
         if index is not None:
             return [_MARKERS[index], *[getattr(obj, name) for name in _FIELDS[index]]]
@@ -154,6 +160,8 @@ class _Decoder:
         index = items[0].index
         if index < 0:
             return self.array(items)
+        if index == _STEP_INDEX and len(items) == 3 and type(items[1]) is list:
+            return StepOutputs([RequestOutput(*row) for row in items[1]], items[2])
         names = _FIELDS[index]
         if len(items) - 1 != len(names):
             raise DecodeError(f"{WIRE_TYPES[index].__name__} with {len(items) - 1} fields, "

@@ -5,8 +5,9 @@ stand-in for the model: each step sleeps `--step-ms` (a forward pass, GIL releas
 every running request one token. This process is the API side: the real engine client, a
 closed loop of `--concurrency` requests of `--output-len` tokens, every stream read to the
 end. CPU seconds of each process over the run, divided by the tokens streamed, is what the
-wire costs per token: the stand-in's own work per token is printed beside it, measured
-alone, as the floor no wire can go under.
+wire costs per token. Printed beside it, as the limit: the same steps sent by raw pyzmq +
+msgpack (one message per step, no requests, no routing, no liveness), which is what waking a
+process once per step costs on this machine, and the stand-in's own work measured alone.
 
     .venv/bin/python scripts/bench_wire.py [--requests 512] [--concurrency 32] [--json out.json]
 """
@@ -114,6 +115,69 @@ async def _api_side(address: str, pid: int, args: argparse.Namespace) -> dict[st
             "api_us_per_token": api_cpu / tokens * 1e6}
 
 
+def _raw_engine(address: str, steps: int, step_s: float, rows_per_step: int) -> None:
+    import msgpack
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.bind(address)
+    peer = sock.recv_multipart()[0]
+    rows = [[f"r{i}", [i], None, 200, 1, None, 0] for i in range(rows_per_step)]
+    for _ in range(steps):
+        time.sleep(step_s)
+        sock.send_multipart([peer, msgpack.packb(rows)])
+    sock.send_multipart([peer, b""])
+    sock.recv_multipart()  # the reader is done measuring
+
+
+async def _raw_api(address: str, pid: int, steps: int) -> dict[str, float]:
+    import msgpack
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(address)
+    sock.send(b"start")
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    tokens = 0
+
+    def drain() -> None:
+        nonlocal tokens
+        while not done.done() and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            frame = sock.recv(copy=False)
+            if not frame.bytes:
+                done.set_result(None)
+                return
+            tokens += len(msgpack.unpackb(frame.buffer))
+
+    loop.add_reader(sock.getsockopt(zmq.FD), drain)
+    loop.call_soon(drain)
+    engine, me = psutil.Process(pid), psutil.Process()
+    engine0, me0 = _cpu_s(engine), _cpu_s(me)
+    await done
+    engine_cpu, api_cpu = _cpu_s(engine) - engine0, _cpu_s(me) - me0
+    sock.send(b"stop")
+    loop.remove_reader(sock.getsockopt(zmq.FD))
+    sock.close(linger=1000)
+    return {"engine_us_per_token": engine_cpu / tokens * 1e6,
+            "api_us_per_token": api_cpu / tokens * 1e6}
+
+
+def _run_pair(engine_target: Any, engine_args: tuple, api: Any) -> dict[str, float]:
+    engine = mp.get_context("spawn").Process(target=engine_target, args=engine_args)
+    engine.start()
+    try:
+        try:
+            import uvloop
+
+            return uvloop.run(api(engine.pid))
+        except ImportError:
+            return asyncio.run(api(engine.pid))
+    finally:
+        os.kill(engine.pid, signal.SIGTERM)
+        engine.join(10)
+
+
 def _stand_in_alone(args: argparse.Namespace) -> float:
     """CPU per token of the stand-in's own steps, no wire: the floor of the engine column."""
     engine = StandInEngine()
@@ -139,31 +203,25 @@ def main() -> None:
     args = parser.parse_args()
     from rpc.sockets import IpcDir
 
+    step_s = args.step_ms / 1000
+    steps = args.requests * args.output_len // args.concurrency
     with IpcDir() as ipc:
         address = ipc.address("engine")
-        engine = mp.get_context("spawn").Process(target=_engine_main,
-                                                 args=(address, args.step_ms / 1000))
-        engine.start()
-        try:
-            try:
-                import uvloop
-
-                result = uvloop.run(_api_side(address, engine.pid, args))
-            except ImportError:
-                result = asyncio.run(_api_side(address, engine.pid, args))
-        finally:
-            os.kill(engine.pid, signal.SIGTERM)
-            engine.join(10)
+        result = _run_pair(_engine_main, (address, step_s),
+                           lambda pid: _api_side(address, pid, args))
+        raw = _run_pair(_raw_engine, (ipc.address("raw"), steps, step_s, args.concurrency),
+                        lambda pid: _raw_api(ipc.address("raw"), pid, steps))
+    result["raw_engine_us_per_token"] = raw["engine_us_per_token"]
+    result["raw_api_us_per_token"] = raw["api_us_per_token"]
     result["stand_in_us_per_token"] = _stand_in_alone(args)
-    floor = result["stand_in_us_per_token"]
     print(f"{args.requests} requests x {args.output_len} tokens, {args.concurrency} in flight, "
-          f"{args.step_ms} ms per step")
-    print(f"{'CPU per streamed token':<34}{'us':>8}{'x floor':>10}")
-    for key, label in (("engine_us_per_token", "engine process (loop + socket)"),
-                       ("api_us_per_token", "API process (engine client)"),
-                       ("stand_in_us_per_token", "floor: the stand-in's steps alone")):
-        print(f"{label:<34}{result[key]:>8.2f}{result[key] / floor:>10.1f}")
-    print(f"{'tokens/s':<34}{result['tokens_per_s']:>8.0f}")
+          f"{args.step_ms} ms per step; CPU us per streamed token")
+    print(f"{'':<12}{'flatserve':>11}{'raw pyzmq':>11}{'ratio':>8}")
+    for side in ("engine", "api"):
+        ours, limit = result[f"{side}_us_per_token"], result[f"raw_{side}_us_per_token"]
+        print(f"{side:<12}{ours:>11.2f}{limit:>11.2f}{ours / limit:>8.2f}")
+    print(f"the stand-in's steps alone: {result['stand_in_us_per_token']:.2f} us per token; "
+          f"{result['tokens_per_s']:.0f} tokens/s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
