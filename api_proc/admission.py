@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from api_proc.errors import OverBudgetError, PayloadTooLargeError
+from api_proc.errors import OverBudget, PayloadTooLarge
 
 
 class Reservation:
@@ -111,7 +111,7 @@ class AdmissionController:
         """Reserve nbytes, waiting in FIFO order (ahead of every non-priority waiter when
         `priority`). Call `release()` on the result in a `finally`."""
         if nbytes > self.budget_bytes:
-            raise PayloadTooLargeError(
+            raise PayloadTooLarge(
                 f"the request's images need {nbytes} bytes to decode and resize; the whole "
                 f"multimodal budget (mm_inflight_budget) is {self.budget_bytes} bytes",
                 code="mm_budget_too_small")
@@ -136,7 +136,7 @@ class AdmissionController:
             else:
                 self._remove(waiter)
             if isinstance(e, _Expired):
-                raise OverBudgetError(
+                raise OverBudget(
                     f"waited {timeout:g} s for {nbytes} bytes of multimodal budget "
                     f"({self._in_flight} of {self.budget_bytes} bytes in use, "
                     f"{len(self._waiters)} requests waiting); retry later") from None

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from api_proc.admission import AdmissionController
 from api_proc.config import ApiConfig
 from api_proc.engine_client import EngineClient
-from api_proc.errors import APIError, AuthenticationError, error_response, install_error_handlers
+from api_proc.errors import HTTPError, Unauthorized, error_response, install_error_handlers
 from api_proc.media_loader import MediaLoader
 from api_proc.metrics import Metrics
 from api_proc.prompt_builder import PromptBuilder
@@ -105,7 +105,7 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
         scheme, _, token = auth.partition(" ")
         if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(),
                                                                       config.api_key.encode()):
-            raise AuthenticationError("invalid or missing API key (Authorization: Bearer ...)")
+            raise Unauthorized("invalid or missing API key (Authorization: Bearer ...)")
 
     async def handle(endpoint: str, request: Request,
                      prepare: Callable[[RequestBody, float], Awaitable[Prepared]]) -> Response:
@@ -116,7 +116,7 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
             # The body is read before the disconnect watcher starts: both would receive().
             body = await read_body(request, config.max_body_bytes, admission)
             prepared = await run_until_disconnect(request, prepare(body, arrival))
-        except APIError as e:
+        except HTTPError as e:
             metrics.count_request(endpoint, e.status)
             return error_response(e)
         except ClientGone:
@@ -133,7 +133,7 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
                 media_type="text/event-stream", headers=SSE_HEADERS)
         try:
             body = await run_until_disconnect(request, responses.collect(prepared))
-        except APIError as e:
+        except HTTPError as e:
             metrics.count_request(endpoint, e.status)
             return error_response(e)
         except ClientGone:

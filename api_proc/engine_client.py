@@ -26,7 +26,7 @@ from typing import Any
 import zmq
 
 from api_proc.admission import Reservation
-from api_proc.errors import APIError, BadRequestError, EngineError, EngineUnavailableError
+from api_proc.errors import BadRequest, EngineFailed, EngineUnavailable, HTTPError
 from rpc.codec import DecodeError, decode, encode
 from rpc.sockets import check_address, make_socket
 from shared.messages import (
@@ -103,7 +103,7 @@ class EngineConnection:
             self._heartbeat.cancel()
         if self.streams:  # the engine stops them now, not when it notices this process is gone
             self.send(AbortRequests(list(self.streams)))
-        self._fail_all(EngineUnavailableError("the API server is shutting down"))
+        self._fail_all(EngineUnavailable("the API server is shutting down"))
         self._close_socket()
 
     def send(self, message: AddRequest | AbortRequests | Ping) -> bool:
@@ -200,11 +200,11 @@ class EngineConnection:
         self.lost_reason = reason
         self._ready.clear()
         self._unanswered_since = None
-        self._fail_all(EngineUnavailableError(f"engine unavailable: {reason}"))
+        self._fail_all(EngineUnavailable(f"engine unavailable: {reason}"))
         self._close_socket()
         self._open_socket()
 
-    def _fail_all(self, error: APIError) -> None:
+    def _fail_all(self, error: HTTPError) -> None:
         for stream in list(self.streams.values()):
             stream._fail(error)
 
@@ -264,14 +264,14 @@ class EngineClient:
         """The usable engine with room and the least outstanding work (tokens, then
         requests, then round robin); 503 when none is usable."""
         if not self.engines:
-            raise EngineUnavailableError("no engine is configured")
+            raise EngineUnavailable("no engine is configured")
         rr, n = next(self._rr), len(self.engines)
         usable = [(not e.has_room, e.num_tokens, len(e.streams), (i - rr) % n, e)
                   for i, e in enumerate(self.engines) if e.available]
         if not usable:
             reasons = "; ".join(f"{e.address}: {e.death_reason() or e.lost_reason}"
                                 for e in self.engines)
-            raise EngineUnavailableError(f"no engine is available ({reasons})")
+            raise EngineUnavailable(f"no engine is available ({reasons})")
         return min(usable, key=lambda t: t[:4])[4]
 
     async def wait_for_room(self, timeout_s: float) -> None:
@@ -286,7 +286,7 @@ class EngineClient:
                 try:
                     await asyncio.wait_for(self._room_freed.wait(), max(left, 0))
                 except TimeoutError:
-                    raise EngineUnavailableError(
+                    raise EngineUnavailable(
                         f"every engine holds its maximum of requests for {timeout_s} s",
                         code="engine_busy") from None
         finally:
@@ -307,7 +307,7 @@ class EngineClient:
                 mm_reservation.release()
             raise
         if not engine.send(request):
-            stream._fail(EngineUnavailableError(f"engine {engine.address} is not taking requests"))
+            stream._fail(EngineUnavailable(f"engine {engine.address} is not taking requests"))
         return stream
 
     def _request_ended(self) -> None:
@@ -321,15 +321,15 @@ class EngineClient:
                 for e in self.engines]
 
 
-_ERRORS: dict[int, tuple[type[APIError], str]] = {
-    ErrorCode.REJECTED: (BadRequestError, "engine_rejected"),
-    ErrorCode.BUSY: (EngineUnavailableError, "engine_busy"),
-    ErrorCode.STOPPING: (EngineUnavailableError, "engine_stopping"),
+_ERRORS: dict[int, tuple[type[HTTPError], str]] = {
+    ErrorCode.REJECTED: (BadRequest, "engine_rejected"),
+    ErrorCode.BUSY: (EngineUnavailable, "engine_busy"),
+    ErrorCode.STOPPING: (EngineUnavailable, "engine_stopping"),
 }
 
 
-def _api_error(output: RequestOutput) -> APIError:
-    cls, code = _ERRORS.get(output.error_code, (EngineError, "engine_error"))
+def _api_error(output: RequestOutput) -> HTTPError:
+    cls, code = _ERRORS.get(output.error_code, (EngineFailed, "engine_error"))
     return cls(f"engine: {output.error or 'request failed'}", code=code)
 
 
@@ -348,7 +348,7 @@ class RequestStream:
         self._first = True
         self._done = False
         self._output: RequestOutput | None = None
-        self._error: APIError | None = None
+        self._error: HTTPError | None = None
         self._waiter: asyncio.Future | None = None
         self._mm_reservation = mm_reservation
         engine.streams[request_id] = self
@@ -408,7 +408,7 @@ class RequestStream:
             self._end()
         self._wake()
 
-    def _fail(self, error: APIError) -> None:
+    def _fail(self, error: HTTPError) -> None:
         if not self._done:
             self._error = error
             self._end()

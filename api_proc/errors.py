@@ -19,7 +19,7 @@ from api_proc.protocol import ErrorInfo, ErrorResponse
 logger = logging.getLogger(__name__)
 
 
-class APIError(Exception):
+class HTTPError(Exception):
     status: int = 500
     type: str = "internal_error"
     code: str | None = None
@@ -36,47 +36,47 @@ class APIError(Exception):
                                              param=self.param, code=self.code)).model_dump()
 
 
-class BadRequestError(APIError):
+class BadRequest(HTTPError):
     status = 400
     type = "invalid_request_error"
 
 
-class AuthenticationError(APIError):
+class Unauthorized(HTTPError):
     status = 401
     type = "authentication_error"
     code = "invalid_api_key"
 
 
-class NotFoundError(APIError):
+class NotFound(HTTPError):
     status = 404
     type = "not_found_error"
 
 
-class PayloadTooLargeError(APIError):
+class PayloadTooLarge(HTTPError):
     status = 413
     type = "request_too_large"
 
 
-class OverBudgetError(APIError):
+class OverBudget(HTTPError):
     status = 429
     type = "rate_limit_error"
     code = "mm_budget_exceeded"
 
 
-class EngineUnavailableError(APIError):
+class EngineUnavailable(HTTPError):
     status = 503
     type = "service_unavailable"
     code = "engine_unavailable"
 
 
-class EngineError(APIError):
+class EngineFailed(HTTPError):
     """The engine failed one request (a bug or resource failure on its side)."""
 
     status = 500
     type = "engine_error"
 
 
-def error_response(err: APIError) -> JSONResponse:
+def error_response(err: HTTPError) -> JSONResponse:
     return JSONResponse(err.to_dict(), status_code=err.status)
 
 
@@ -92,25 +92,25 @@ def format_validation_errors(errors: list[dict]) -> str:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    @app.exception_handler(HTTPError)
+    async def _api_error(_: Request, exc: HTTPError) -> JSONResponse:
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(BadRequestError(format_validation_errors(list(exc.errors()))))
+        return error_response(BadRequest(format_validation_errors(list(exc.errors()))))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 404:
-            err: APIError = NotFoundError(f"no route {request.method} {request.url.path}",
+            err: HTTPError = NotFound(f"no route {request.method} {request.url.path}",
                                           code="route_not_found")
         elif exc.status_code == 405:
-            err = BadRequestError(f"method {request.method} not allowed on {request.url.path}",
+            err = BadRequest(f"method {request.method} not allowed on {request.url.path}",
                                   code="method_not_allowed")
             err.status = 405
         else:
-            err = APIError(str(exc.detail))
+            err = HTTPError(str(exc.detail))
             err.status = exc.status_code
             err.type = "invalid_request_error" if exc.status_code < 500 else "internal_error"
         return error_response(err)
@@ -118,4 +118,4 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _bug(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error")
-        return error_response(APIError(f"internal error: {type(exc).__name__}"))
+        return error_response(HTTPError(f"internal error: {type(exc).__name__}"))

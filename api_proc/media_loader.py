@@ -40,7 +40,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from api_proc.config import ApiConfig
-from api_proc.errors import BadRequestError, PayloadTooLargeError
+from api_proc.errors import BadRequest, PayloadTooLarge
 from shared.image_resize import resize_image, smart_resize
 from shared.messages import ImageInput
 from shared.model_config import ImageProcessorConfig
@@ -125,25 +125,25 @@ def _pil_pixel_size(mode: str) -> int:
 def decode_data_url(url: str, max_bytes: int) -> bytes:
     head, sep, _ = url[:256].partition(",")
     if not sep or not head.lower().startswith("data:"):
-        raise BadRequestError("malformed data URL: expected data:<mime>;base64,<data>",
+        raise BadRequest("malformed data URL: expected data:<mime>;base64,<data>",
                               param="image_url")
     meta = head[5:].lower().split(";")
     if "base64" not in meta[1:]:
-        raise BadRequestError("data URLs must be base64-encoded", param="image_url")
+        raise BadRequest("data URLs must be base64-encoded", param="image_url")
     if meta[0] and not meta[0].startswith("image/"):
-        raise BadRequestError(f"data URL media type {meta[0]!r} is not an image", param="image_url")
+        raise BadRequest(f"data URL media type {meta[0]!r} is not an image", param="image_url")
     start = len(head) + 1
     if (len(url) - start) * 3 // 4 > max_bytes + 2:
-        raise PayloadTooLargeError(f"image is larger than max_image_bytes={max_bytes} bytes",
+        raise PayloadTooLarge(f"image is larger than max_image_bytes={max_bytes} bytes",
                                    param="image_url", code="image_too_large")
     try:
         data = binascii.a2b_base64(url[start:])
     except (binascii.Error, ValueError):
         data = None
     if data is None:
-        raise BadRequestError("data URL is not valid base64", param="image_url")
+        raise BadRequest("data URL is not valid base64", param="image_url")
     if len(data) > max_bytes:
-        raise PayloadTooLargeError(f"image is larger than max_image_bytes={max_bytes} bytes",
+        raise PayloadTooLarge(f"image is larger than max_image_bytes={max_bytes} bytes",
                                    param="image_url", code="image_too_large")
     return data
 
@@ -151,33 +151,33 @@ def decode_data_url(url: str, max_bytes: int) -> bytes:
 def read_local_file(path_text: str, root: str, max_bytes: int) -> bytes:
     path = Path(path_text)
     if not path.is_absolute():
-        raise BadRequestError("file:// image URLs need an absolute path", param="image_url")
+        raise BadRequest("file:// image URLs need an absolute path", param="image_url")
     try:
         real = path.resolve(strict=True)  # follows symlinks and '..'
     except (OSError, RuntimeError):
         real = None
     if real is None:
-        raise BadRequestError("image file not found", param="image_url")
+        raise BadRequest("image file not found", param="image_url")
     if not real.is_relative_to(root):
-        raise BadRequestError("image file is outside allowed_local_media_path", param="image_url")
+        raise BadRequest("image file is outside allowed_local_media_path", param="image_url")
     try:  # O_NONBLOCK: a FIFO planted under the folder must not hang a worker
         fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         fd = -1
     if fd < 0:
-        raise BadRequestError("image file cannot be opened", param="image_url")
+        raise BadRequest("image file cannot be opened", param="image_url")
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode):
         os.close(fd)
-        raise BadRequestError("image path is not a regular file", param="image_url")
+        raise BadRequest("image path is not a regular file", param="image_url")
     if info.st_size > max_bytes:
         os.close(fd)
-        raise PayloadTooLargeError(f"image is larger than max_image_bytes={max_bytes} bytes",
+        raise PayloadTooLarge(f"image is larger than max_image_bytes={max_bytes} bytes",
                                    param="image_url", code="image_too_large")
     with os.fdopen(fd, "rb") as f:
         data = f.read(max_bytes + 1)
     if len(data) > max_bytes:
-        raise PayloadTooLargeError(f"image is larger than max_image_bytes={max_bytes} bytes",
+        raise PayloadTooLarge(f"image is larger than max_image_bytes={max_bytes} bytes",
                                    param="image_url", code="image_too_large")
     return data
 
@@ -198,14 +198,14 @@ def probe_image(data: bytes, max_pixels: int, cfg: ImageProcessorConfig) -> Enco
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
         problem = "image data is not a supported image (JPEG, PNG, WEBP, GIF, BMP, TIFF)"
     if problem is not None:
-        raise BadRequestError(problem, param="image_url", code="invalid_image")
+        raise BadRequest(problem, param="image_url", code="invalid_image")
     if fmt not in ALLOWED_FORMATS:
-        raise BadRequestError(f"image format {fmt or 'unknown'} is not supported",
+        raise BadRequest(f"image format {fmt or 'unknown'} is not supported",
                               param="image_url", code="invalid_image")
     if width < 1 or height < 1:
-        raise BadRequestError("image has no pixels", param="image_url", code="invalid_image")
+        raise BadRequest("image has no pixels", param="image_url", code="invalid_image")
     if width * height > max_pixels:
-        raise BadRequestError(f"image is {width}x{height} = {width * height} pixels; "
+        raise BadRequest(f"image is {width}x{height} = {width * height} pixels; "
                               f"max_image_pixels is {max_pixels}",
                               param="image_url", code="image_too_many_pixels")
     if orientation in _SWAPS_SIDES:
@@ -222,7 +222,7 @@ def _smart_resize(height: int, width: int, cfg: ImageProcessorConfig) -> tuple[i
         return smart_resize(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
     except ValueError as e:  # e.g. extreme aspect ratio
         message = f"image of {width}x{height} cannot be resized for the model: {e}"
-    raise BadRequestError(message, param="image_url", code="invalid_image")
+    raise BadRequest(message, param="image_url", code="invalid_image")
 
 
 def decode_and_resize(data: bytes, cfg: ImageProcessorConfig,
@@ -235,9 +235,9 @@ def decode_and_resize(data: bytes, cfg: ImageProcessorConfig,
         problem = f"image cannot be decoded: {type(e).__name__}"
     data = None  # R1: an error raised below must not pin the encoded bytes in this frame
     if problem is not None:
-        raise BadRequestError(problem, param="image_url", code="invalid_image")
+        raise BadRequest(problem, param="image_url", code="invalid_image")
     if tuple(grid) != tuple(expect_grid):
-        raise BadRequestError("image pixels do not match the size its header declares",
+        raise BadRequest("image pixels do not match the size its header declares",
                               param="image_url", code="invalid_image")
     return pixels, tuple(int(g) for g in grid)
 
@@ -310,14 +310,14 @@ class MediaLoader:
         if scheme == "file":
             root = self.config.allowed_local_media_path
             if root is None:
-                raise BadRequestError("file:// image URLs are disabled (no "
+                raise BadRequest("file:// image URLs are disabled (no "
                                       "allowed_local_media_path)", param="image_url")
             parts = urlsplit(url)
             if parts.netloc not in ("", "localhost"):
-                raise BadRequestError("file:// image URLs must name a local path",
+                raise BadRequest("file:// image URLs must name a local path",
                                       param="image_url")
             return await self._run(read_local_file, unquote(parts.path), root, max_bytes)
-        raise BadRequestError("image_url must be a data:, http(s):// or file:// URL",
+        raise BadRequest("image_url must be a data:, http(s):// or file:// URL",
                               param="image_url")
 
     # -- step 2: pixels
@@ -343,7 +343,7 @@ class MediaLoader:
     def _check_host(self, host: str) -> None:
         allowed = self.config.allowed_media_domains
         if allowed is not None and host.lower().rstrip(".") not in allowed:
-            raise BadRequestError(f"image host {host!r} is not in allowed_media_domains",
+            raise BadRequest(f"image host {host!r} is not in allowed_media_domains",
                                   param="image_url", code="media_host_not_allowed")
 
     async def _resolve(self, host: str, port: int) -> str:
@@ -355,12 +355,12 @@ class MediaLoader:
         except (socket.gaierror, UnicodeError):
             infos = []
         if not infos:
-            raise BadRequestError(f"image host {host!r} cannot be resolved", param="image_url")
+            raise BadRequest(f"image host {host!r} cannot be resolved", param="image_url")
         ips = [ipaddress.ip_address(info[4][0].split("%", 1)[0]) for info in infos]
         if not self.config.allow_private_media_addresses:
             for ip in ips:
                 if not is_public_address(ip):
-                    raise BadRequestError(
+                    raise BadRequest(
                         f"image host {host!r} resolves to a non-public address ({ip}); "
                         "refused", param="image_url", code="media_host_not_allowed")
         return str(ips[0])
@@ -373,13 +373,13 @@ class MediaLoader:
             message = f"fetching the image took longer than media_fetch_timeout_s={timeout:g}"
         except httpx.HTTPError as e:
             message = f"fetching the image failed: {type(e).__name__}"
-        raise BadRequestError(message, param="image_url", code="media_fetch_failed")
+        raise BadRequest(message, param="image_url", code="media_fetch_failed")
 
     async def _follow(self, url: str) -> bytes:
         for _ in range(MAX_REDIRECTS + 1):
             target = httpx.URL(url)
             if target.scheme not in ("http", "https") or not target.host:
-                raise BadRequestError("image URL redirected to a non-http(s) URL",
+                raise BadRequest("image URL redirected to a non-http(s) URL",
                                       param="image_url")
             self._check_host(target.host)
             port = target.port or (443 if target.scheme == "https" else 80)
@@ -394,27 +394,27 @@ class MediaLoader:
                 if response.is_redirect:
                     location = response.headers.get("location")
                     if not location:
-                        raise BadRequestError("image URL redirect has no location",
+                        raise BadRequest("image URL redirect has no location",
                                               param="image_url")
                     url = urljoin(url, location)
                     continue
                 return await self._read_body(response)
             finally:
                 await response.aclose()
-        raise BadRequestError(f"image URL redirected more than {MAX_REDIRECTS} times",
+        raise BadRequest(f"image URL redirected more than {MAX_REDIRECTS} times",
                               param="image_url")
 
     async def _read_body(self, response: httpx.Response) -> bytes:
         max_bytes = self.config.max_image_bytes
         if response.status_code != 200:
-            raise BadRequestError(f"image URL answered HTTP {response.status_code}",
+            raise BadRequest(f"image URL answered HTTP {response.status_code}",
                                   param="image_url", code="media_fetch_failed")
         encoding = response.headers.get("content-encoding", "identity").lower()
         if encoding not in ("identity", ""):
-            raise BadRequestError(f"image URL sent content-encoding {encoding!r}",
+            raise BadRequest(f"image URL sent content-encoding {encoding!r}",
                                   param="image_url", code="media_fetch_failed")
         declared = response.headers.get("content-length")
-        too_large = PayloadTooLargeError(f"image is larger than max_image_bytes={max_bytes} bytes",
+        too_large = PayloadTooLarge(f"image is larger than max_image_bytes={max_bytes} bytes",
                                          param="image_url", code="image_too_large")
         if declared is not None and declared.isdigit() and int(declared) > max_bytes:
             raise too_large

@@ -16,7 +16,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from api_proc.detokenizer import TokenDecoder
-from api_proc.errors import BadRequestError
+from api_proc.errors import BadRequest
 from api_proc.protocol import ChatMessage, TextPart
 from shared.model_config import ModelConfig, load_model_config
 
@@ -102,14 +102,14 @@ class PromptBuilder:
                                          **self._special_names)
         except jinja2.exceptions.TemplateError as e:
             message = f"chat template refused the messages: {e}"
-        raise BadRequestError(message, param="messages")
+        raise BadRequest(message, param="messages")
 
     def encode(self, text: str) -> list[int]:
         try:
             return self.tokenizer.encode(text, add_special_tokens=False).ids
         except Exception as e:  # the tokenizer refuses the text: bad input, not a bug
             message = f"prompt text cannot be tokenized: {type(e).__name__}"
-        raise BadRequestError(message, param="messages")
+        raise BadRequest(message, param="messages")
 
     def num_image_tokens(self, grid_thw: tuple[int, int, int]) -> int:
         t, h, w = grid_thw
@@ -126,22 +126,22 @@ class PromptBuilder:
         else:
             ids = list(prompt)
             if any(not 0 <= t < self.vocab_size for t in ids):
-                raise BadRequestError(f"prompt token ids must be in [0, {self.vocab_size})",
+                raise BadRequest(f"prompt token ids must be in [0, {self.vocab_size})",
                                       param="prompt")
         return self.expand_image_tokens(ids, [])
 
     def expand_image_tokens(self, ids: list[int], image_grids: list[tuple[int, int, int]]) -> list[int]:
         if self.video_token_id in ids:
-            raise BadRequestError("the prompt contains the video placeholder token; video "
+            raise BadRequest("the prompt contains the video placeholder token; video "
                                   "input is not supported", param="messages")
         if not image_grids:  # text-only fast path
             if self.image_token_id in ids:
-                raise BadRequestError("the prompt text contains the image placeholder token "
+                raise BadRequest("the prompt text contains the image placeholder token "
                                       "but the request has no images", param="messages")
             return ids
         positions = [i for i, t in enumerate(ids) if t == self.image_token_id]
         if len(positions) != len(image_grids):
-            raise BadRequestError(f"the prompt has {len(positions)} image placeholders for "
+            raise BadRequest(f"the prompt has {len(positions)} image placeholders for "
                                   f"{len(image_grids)} images (is the placeholder token in the "
                                   "text?)", param="messages")
         out: list[int] = []
@@ -158,13 +158,13 @@ class PromptBuilder:
         prompt plus the request do not fit max_model_len."""
         limit = self.max_model_len
         if num_prompt_tokens >= limit:
-            raise BadRequestError(f"the prompt has {num_prompt_tokens} tokens; max_model_len "
+            raise BadRequest(f"the prompt has {num_prompt_tokens} tokens; max_model_len "
                                   f"is {limit}", param="messages", code="context_length_exceeded")
         room = limit - num_prompt_tokens
         if requested is None:
             return room
         if requested > room:
-            raise BadRequestError(f"max_model_len is {limit} tokens; the prompt has "
+            raise BadRequest(f"max_model_len is {limit} tokens; the prompt has "
                                   f"{num_prompt_tokens} and max_tokens asks for {requested}",
                                   param="max_tokens", code="context_length_exceeded")
         return requested

@@ -6,7 +6,7 @@ from __future__ import annotations
 from starlette.requests import ClientDisconnect, Request
 
 from api_proc.admission import AdmissionController, Reservation
-from api_proc.errors import PayloadTooLargeError
+from api_proc.errors import PayloadTooLarge
 
 
 class ClientGone(Exception):
@@ -51,7 +51,7 @@ async def read_body(request: Request, limit: int, admission: AdmissionController
     declared = request.headers.get("content-length")
     size_hint = int(declared) if declared is not None and declared.isdigit() else None
     if size_hint is not None and size_hint > limit:
-        raise PayloadTooLargeError(f"request body is larger than max_body_bytes={limit}",
+        raise PayloadTooLarge(f"request body is larger than max_body_bytes={limit}",
                                    code="body_too_large")
     budget = admission.budget_bytes
     reservation = None
@@ -63,7 +63,7 @@ async def read_body(request: Request, limit: int, admission: AdmissionController
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise PayloadTooLargeError(f"request body is larger than max_body_bytes={limit}",
+                raise PayloadTooLarge(f"request body is larger than max_body_bytes={limit}",
                                            code="body_too_large")
             chunks.append(chunk)
             if size_hint is None and size >= BODY_ADMISSION_MIN_BYTES:

@@ -8,7 +8,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 
-from api_proc.errors import APIError
+from api_proc.errors import HTTPError
 from api_proc.metrics import Metrics
 from api_proc.protocol import (
     ChatCompletionChoice,
@@ -117,7 +117,7 @@ class ResponseWriter:
                 body = cls(id=p.id, created=p.created, model=p.model, choices=[], usage=p.usage)
                 yield _sse(body.model_dump_json())
             yield DONE
-        except APIError as e:
+        except HTTPError as e:
             status = e.status
             yield _sse(json.dumps(e.to_dict()))
             yield DONE

@@ -26,8 +26,8 @@ from api_proc.config import ApiConfig
 from api_proc.detokenizer import IncrementalDetokenizer
 from api_proc.engine_client import EngineClient, RequestStream
 from api_proc.errors import (
-    BadRequestError,
-    NotFoundError,
+    BadRequest,
+    NotFound,
     format_validation_errors,
 )
 from api_proc.media_loader import EncodedImage, MediaLoader, MediaRef
@@ -84,7 +84,7 @@ def _parse(model: type[pydantic.BaseModel], body: bytes):
         return model.model_validate_json(body)
     except pydantic.ValidationError as e:
         message = format_validation_errors(e.errors(include_input=False, include_url=False))
-    raise BadRequestError(message)  # outside the except: no traceback pins the body (R1)
+    raise BadRequest(message)  # outside the except: no traceback pins the body (R1)
 
 
 async def _settle(coros) -> list:
@@ -112,7 +112,7 @@ class Serving:
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.config.served_model_name:
-            raise NotFoundError(f"model {name!r} does not exist; this server serves "
+            raise NotFound(f"model {name!r} does not exist; this server serves "
                                 f"{self.config.served_model_name!r}", param="model",
                                 code="model_not_found")
 
@@ -130,11 +130,11 @@ class Serving:
             )
         except ValueError as e:
             message = str(e)
-        raise BadRequestError(message)
+        raise BadRequest(message)
 
     def _check_n(self, n: int) -> None:
         if n > self.config.max_n:
-            raise BadRequestError(f"n is {n}; at most max_n={self.config.max_n}", param="n")
+            raise BadRequest(f"n is {n}; at most max_n={self.config.max_n}", param="n")
 
     async def prepare_chat(self, body: RequestBody, arrival: float) -> Prepared:
         req = _parse(ChatCompletionRequest, body.take())
@@ -143,7 +143,7 @@ class Serving:
         refs = [MediaRef(part.image_url.url) for m in req.messages if isinstance(m.content, list)
                 for part in m.content if isinstance(part, ImageURLPart)]
         if len(refs) > self.config.limit_mm_per_prompt:
-            raise BadRequestError(f"the request has {len(refs)} images; at most "
+            raise BadRequest(f"the request has {len(refs)} images; at most "
                                   f"limit_mm_per_prompt={self.config.limit_mm_per_prompt}",
                                   param="messages", code="too_many_images")
         messages = template_messages(req.messages)
@@ -177,7 +177,7 @@ class Serving:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if len(prompts) * req.n > self.config.max_n:
-            raise BadRequestError(f"{len(prompts)} prompts x n={req.n} choices is more than "
+            raise BadRequest(f"{len(prompts)} prompts x n={req.n} choices is more than "
                                   f"max_n={self.config.max_n}", param="prompt")
         requested = req.requested_max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
         settings = _RequestSettings.of(req)
@@ -185,7 +185,7 @@ class Serving:
         ids_per_prompt = [self.builder.build_completion(p) for p in prompts]
         for ids in ids_per_prompt:
             if not ids:
-                raise BadRequestError("prompt is empty", param="prompt")
+                raise BadRequest("prompt is empty", param="prompt")
             self.builder.resolve_max_tokens(len(ids), requested)
         prompt_ids, sampling = [], []
         for ids in ids_per_prompt:

@@ -8,7 +8,7 @@ throughput.
     python scripts/bench_serve.py --base-url http://127.0.0.1:8000 --request-rate 4 \\
         --ignore-eos --json out/bench.json
 
-See `--help`; the work is done by api_proc.bench.
+See `--help`; the work is done by flatserve.bench.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from api_proc.bench import main  # noqa: E402
+from flatserve.bench import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(prog="bench_serve.py"))

@@ -6,7 +6,7 @@ or attached with --url/--pid) and fail when any process's RSS keeps growing.
         -- --model /path/to/qwen2.5-vl --mm-inflight-budget 1073741824
     python scripts/soak_rss.py --url http://127.0.0.1:8000 --pid 1234 1240 --duration-min 30
 
-See `--help`; the work is done by api_proc.soak.
+See `--help`; the work is done by flatserve.soak.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from api_proc.soak import main  # noqa: E402
+from flatserve.soak import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(prog="soak_rss.py"))

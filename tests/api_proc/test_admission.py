@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from api_proc.admission import AdmissionController
-from api_proc.errors import OverBudgetError, PayloadTooLargeError
+from api_proc.errors import OverBudget, PayloadTooLarge
 
 
 async def test_grants_at_once_when_it_fits_and_releases():
@@ -22,7 +22,7 @@ async def test_grants_at_once_when_it_fits_and_releases():
 
 async def test_request_larger_than_budget_is_413_at_once():
     adm = AdmissionController(100, timeout_s=10)
-    with pytest.raises(PayloadTooLargeError, match="mm_inflight_budget") as e:
+    with pytest.raises(PayloadTooLarge, match="mm_inflight_budget") as e:
         await adm.acquire(101)
     assert e.value.status == 413
     assert adm.in_flight_bytes == 0 and adm.num_waiting == 0
@@ -58,7 +58,7 @@ async def test_waiters_are_served_in_fifo_order():
 async def test_timeout_is_429_with_a_clear_message_and_leaves_no_trace():
     adm = AdmissionController(100, timeout_s=0.05)
     held = await adm.acquire(90)
-    with pytest.raises(OverBudgetError, match="waited") as e:
+    with pytest.raises(OverBudget, match="waited") as e:
         await adm.acquire(20)
     assert e.value.status == 429
     assert adm.num_waiting == 0 and adm.in_flight_bytes == 90
@@ -72,7 +72,7 @@ async def test_timed_out_head_lets_the_next_waiters_in():
     head = asyncio.create_task(adm.acquire(80, timeout_s=0.05))
     await asyncio.sleep(0)
     nxt = asyncio.create_task(adm.acquire(30))
-    with pytest.raises(OverBudgetError):
+    with pytest.raises(OverBudget):
         await head
     r = await asyncio.wait_for(nxt, 1)
     assert adm.in_flight_bytes == 80
@@ -205,7 +205,7 @@ async def test_exchange_gives_the_body_back_and_waits_ahead_of_new_requests():
 async def test_exchange_for_more_than_the_budget_is_413_and_leaves_the_body_to_its_owner():
     adm = AdmissionController(100, timeout_s=5)
     body = await adm.acquire(40)
-    with pytest.raises(PayloadTooLargeError):
+    with pytest.raises(PayloadTooLarge):
         await adm.exchange(body, 101)
     assert body.nbytes == 40
     body.release()

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 
 from api_proc.admission import AdmissionController
 from api_proc.engine_client import EngineClient, EngineConnection
-from api_proc.errors import BadRequestError, EngineError, EngineUnavailableError
+from api_proc.errors import BadRequest, EngineFailed, EngineUnavailable
 from shared.messages import (
     AbortRequests,
     AddRequest,
@@ -114,10 +114,10 @@ async def test_dead_and_unavailable_engines_are_skipped():
     client = EngineClient([dead, down, up])
     assert all(client.submit(_req(f"r{i}")).engine is up for i in range(3))
     assert dead.sent == down.sent == []
-    with pytest.raises(EngineUnavailableError, match="exited with code -9") as e:
+    with pytest.raises(EngineUnavailable, match="exited with code -9") as e:
         EngineClient([dead, down]).pick()
     assert e.value.status == 503
-    with pytest.raises(EngineUnavailableError, match="no engine is configured"):
+    with pytest.raises(EngineUnavailable, match="no engine is configured"):
         EngineClient([]).pick()
     health = await EngineClient([dead, down, up]).health()
     assert [h["ok"] for h in health] == [False, False, True]
@@ -130,7 +130,7 @@ async def test_a_full_engine_is_avoided_and_waited_for():
     first = client.submit(_req("first", prompt_len=1))
     second = client.submit(_req("second", prompt_len=1000))  # more work, but the one with room
     assert {first.engine, second.engine} == {a, b}
-    with pytest.raises(EngineUnavailableError) as e:
+    with pytest.raises(EngineUnavailable) as e:
         await client.wait_for_room(0.05)
     assert e.value.status == 503 and e.value.code == "engine_busy"
 
@@ -179,10 +179,10 @@ async def test_a_waiting_consumer_wakes_for_each_output():
 
 
 @pytest.mark.parametrize("code, error, status, api_code", [
-    (ErrorCode.REJECTED, BadRequestError, 400, "engine_rejected"),
-    (ErrorCode.BUSY, EngineUnavailableError, 503, "engine_busy"),
-    (ErrorCode.STOPPING, EngineUnavailableError, 503, "engine_stopping"),
-    (ErrorCode.INTERNAL, EngineError, 500, "engine_error"),
+    (ErrorCode.REJECTED, BadRequest, 400, "engine_rejected"),
+    (ErrorCode.BUSY, EngineUnavailable, 503, "engine_busy"),
+    (ErrorCode.STOPPING, EngineUnavailable, 503, "engine_stopping"),
+    (ErrorCode.INTERNAL, EngineFailed, 500, "engine_error"),
 ])
 async def test_error_codes_map_to_api_errors(code, error, status, api_code):
     engine = WireRecorder("a")
@@ -243,12 +243,12 @@ async def test_the_double_s_failures_arrive_as_api_errors(engine_double, prompt)
     client = EngineClient.connect([engine_double.address])
     await client.start()
     try:
-        with pytest.raises(BadRequestError, match="refused by the test double") as e:
+        with pytest.raises(BadRequest, match="refused by the test double") as e:
             await _drain(client.submit(prompt("refused", "[[refuse]] no")))
         assert e.value.code == "engine_rejected"
         stream = client.submit(prompt("fails", "[[error]] after one token"))
         assert (await stream.__anext__()).new_token_ids
-        with pytest.raises(EngineError, match="failed on purpose") as e:
+        with pytest.raises(EngineFailed, match="failed on purpose") as e:
             await stream.__anext__()
         assert e.value.status == 500 and e.value.__context__ is None
         outs = await _drain(client.submit(prompt("fine", "all good here", max_tokens=2)))
@@ -266,7 +266,7 @@ async def test_an_engine_past_its_capacity_answers_busy(start_engine_double, pro
         held = client.submit(prompt("held", "[[gated]] one"))
         await _wait_for(lambda: "held" in double.log()["running"], "the first request")
         refused = client.submit(prompt("refused", "two"))  # submit itself does not wait
-        with pytest.raises(EngineUnavailableError) as e:
+        with pytest.raises(EngineUnavailable) as e:
             await asyncio.wait_for(refused.__anext__(), 3)
         assert e.value.status == 503 and e.value.code == "engine_busy"
         assert double.open_gate() == 1
@@ -287,14 +287,14 @@ async def test_engine_process_death_fails_the_stream_with_503(start_engine_doubl
         await stream.__anext__()
         double.kill()
         died = time.monotonic()
-        with pytest.raises(EngineUnavailableError) as e:
+        with pytest.raises(EngineUnavailable) as e:
             await asyncio.wait_for(stream.__anext__(), 5)
         assert time.monotonic() - died < within_s
         assert e.value.status == 503
         assert client.num_in_flight == 0 and client.engines[0].num_tokens == 0
         health = await client.health()
         assert not health[0]["ok"] and health[0]["reason"]
-        with pytest.raises(EngineUnavailableError):
+        with pytest.raises(EngineUnavailable):
             client.pick()
     finally:
         await client.close()

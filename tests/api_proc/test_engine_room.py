@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from api_proc.engine_client import EngineClient, EngineConnection, RequestStream
-from api_proc.errors import EngineUnavailableError
+from api_proc.errors import EngineUnavailable
 from shared.messages import EngineStats, RequestOutput
 
 
@@ -44,7 +44,7 @@ async def test_waiting_for_room_times_out_with_a_503() -> None:
     only = engine("busy", 1)
     client = EngineClient([only])
     held = RequestStream(only, "r0", 10, 10, None)
-    with pytest.raises(EngineUnavailableError) as e:
+    with pytest.raises(EngineUnavailable) as e:
         await client.wait_for_room(0.1)
     assert e.value.status == 503 and e.value.code == "engine_busy"
     assert held.request_id in only.streams

@@ -10,7 +10,7 @@ import pytest
 from PIL import Image, ImageFile
 
 import api_proc.media_loader as ml
-from api_proc.errors import BadRequestError, PayloadTooLargeError
+from api_proc.errors import BadRequest, PayloadTooLarge
 from api_proc.media_loader import MediaLoader, MediaRef, is_public_address
 from shared.image_resize import resize_image, to_rgb
 from tests.api_proc.conftest import data_url, encode_image
@@ -94,14 +94,14 @@ def test_an_rgb_image_is_not_copied_to_become_rgb():
     ("nodata", "data:, http"),
 ])
 async def test_bad_data_urls_are_400(loader_factory, url, match):
-    with pytest.raises(BadRequestError, match=match) as e:
+    with pytest.raises(BadRequest, match=match) as e:
         await load(loader_factory(), url)
     assert e.value.status == 400
 
 
 async def test_encoded_size_cap_is_413_naming_the_limit(loader_factory):
     raw = encode_image(256, 256)
-    with pytest.raises(PayloadTooLargeError, match=f"max_image_bytes={len(raw) - 1}") as e:
+    with pytest.raises(PayloadTooLarge, match=f"max_image_bytes={len(raw) - 1}") as e:
         await load(loader_factory(max_image_bytes=len(raw) - 1), data_url(raw))
     assert e.value.status == 413
 
@@ -131,7 +131,7 @@ async def test_decompression_bomb_is_refused_from_the_header(loader_factory, mon
     loads = []
     monkeypatch.setattr(ImageFile.ImageFile, "load", lambda self: loads.append(self))
     loader = loader_factory(max_image_pixels=4_000_000)
-    with pytest.raises(BadRequestError, match="max_image_pixels") as e:
+    with pytest.raises(BadRequest, match="max_image_pixels") as e:
         await loader.fetch(MediaRef(data_url(payload)))
     assert e.value.status == 400
     assert len(payload) < 200_000
@@ -177,7 +177,7 @@ def test_public_address_classification(ip, public):
                                   "10.0.0.1", "0.0.0.0", "[::ffff:127.0.0.1]", "224.0.0.1"])
 async def test_non_public_hosts_are_refused(loader_factory, http_server, host):
     url = http_server.serve_bytes("/img.png", encode_image()).replace("127.0.0.1", host)
-    with pytest.raises(BadRequestError, match="non-public") as e:
+    with pytest.raises(BadRequest, match="non-public") as e:
         await loader_factory().fetch(MediaRef(url))
     assert e.value.status == 400
 
@@ -191,7 +191,7 @@ async def test_private_hosts_when_allowed(loader_factory, http_server):
 async def test_domain_allowlist(loader_factory, http_server):
     url = http_server.serve_bytes("/img.png", encode_image())
     loader = loader_factory(allow_private_media_addresses=True, allowed_media_domains=("example.com",))
-    with pytest.raises(BadRequestError, match="allowed_media_domains"):
+    with pytest.raises(BadRequest, match="allowed_media_domains"):
         await loader.fetch(MediaRef(url))
     ok = loader_factory(allow_private_media_addresses=True, allowed_media_domains=("127.0.0.1",))
     await ok.fetch(MediaRef(url))
@@ -201,7 +201,7 @@ async def test_redirect_to_a_disallowed_host_is_refused(loader_factory, http_ser
     target = http_server.serve_bytes("/img.png", encode_image())
     hop = http_server.redirect("/hop", target.replace("127.0.0.1", "localhost"))
     loader = loader_factory(allow_private_media_addresses=True, allowed_media_domains=("127.0.0.1",))
-    with pytest.raises(BadRequestError, match="'localhost' is not in allowed_media_domains"):
+    with pytest.raises(BadRequest, match="'localhost' is not in allowed_media_domains"):
         await loader.fetch(MediaRef(hop))
     same_host = http_server.redirect("/hop2", "/img.png")
     await loader.fetch(MediaRef(same_host))
@@ -218,13 +218,13 @@ async def test_redirect_to_a_private_address_is_refused(loader_factory, http_ser
         checked.append(ip)
         return len(checked) == 1 or real(ip)
     monkeypatch.setattr(ml, "is_public_address", first_public)
-    with pytest.raises(BadRequestError, match="non-public"):
+    with pytest.raises(BadRequest, match="non-public"):
         await loader_factory().fetch(MediaRef(hop))
 
 
 async def test_redirect_loops_stop(loader_factory, http_server):
     loop_url = http_server.redirect("/loop", "/loop")
-    with pytest.raises(BadRequestError, match="redirected more than"):
+    with pytest.raises(BadRequest, match="redirected more than"):
         await loader_factory(allow_private_media_addresses=True).fetch(MediaRef(loop_url))
 
 
@@ -233,20 +233,20 @@ async def test_download_size_cap_is_413(loader_factory, http_server, chunked):
     body = os.urandom(300_000)
     url = http_server.serve_bytes("/big", body, chunked=chunked)
     loader = loader_factory(allow_private_media_addresses=True, max_image_bytes=100_000)
-    with pytest.raises(PayloadTooLargeError, match="max_image_bytes=100000"):
+    with pytest.raises(PayloadTooLarge, match="max_image_bytes=100000"):
         await loader.fetch(MediaRef(url))
 
 
 async def test_download_errors_are_400(loader_factory, http_server):
     loader = loader_factory(allow_private_media_addresses=True, media_fetch_timeout_s=0.3)
-    with pytest.raises(BadRequestError, match="HTTP 404"):
+    with pytest.raises(BadRequest, match="HTTP 404"):
         await loader.fetch(MediaRef(http_server.url("/missing")))
-    with pytest.raises(BadRequestError, match="media_fetch_timeout_s"):
+    with pytest.raises(BadRequest, match="media_fetch_timeout_s"):
         await loader.fetch(MediaRef(http_server.slow("/slow", 2.0)))
     gz = http_server.serve_bytes("/gz", b"x", headers={"Content-Encoding": "gzip"})
-    with pytest.raises(BadRequestError, match="content-encoding"):
+    with pytest.raises(BadRequest, match="content-encoding"):
         await loader.fetch(MediaRef(gz))
-    with pytest.raises(BadRequestError, match="cannot be resolved"):
+    with pytest.raises(BadRequest, match="cannot be resolved"):
         await loader.fetch(MediaRef("http://no-such-host.invalid/x.png"))
 
 
@@ -267,7 +267,7 @@ def media_root(tmp_path):
 
 
 async def test_local_files_are_off_by_default(loader_factory, media_root):
-    with pytest.raises(BadRequestError, match="disabled"):
+    with pytest.raises(BadRequest, match="disabled"):
         await loader_factory().fetch(MediaRef(f"file://{media_root}/ok.png"))
 
 
@@ -287,19 +287,19 @@ async def test_local_file_under_the_allowed_folder(loader_factory, media_root):
 ])
 async def test_local_file_escapes_are_refused(loader_factory, media_root, rel, match):
     loader = loader_factory(allowed_local_media_path=str(media_root))
-    with pytest.raises(BadRequestError, match=match):
+    with pytest.raises(BadRequest, match=match):
         await loader.fetch(MediaRef(f"file://{media_root}/{rel}"))
 
 
 async def test_local_file_other_forms_are_refused(loader_factory, media_root):
     loader = loader_factory(allowed_local_media_path=str(media_root))
-    with pytest.raises(BadRequestError, match="local path"):
+    with pytest.raises(BadRequest, match="local path"):
         await loader.fetch(MediaRef(f"file://evil.example.com{media_root}/ok.png"))
-    with pytest.raises(BadRequestError, match="absolute"):
+    with pytest.raises(BadRequest, match="absolute"):
         await loader.fetch(MediaRef("file:ok.png"))
 
 
 async def test_local_file_size_cap_is_413(loader_factory, media_root):
     loader = loader_factory(allowed_local_media_path=str(media_root), max_image_bytes=100)
-    with pytest.raises(PayloadTooLargeError, match="max_image_bytes=100"):
+    with pytest.raises(PayloadTooLarge, match="max_image_bytes=100"):
         await loader.fetch(MediaRef(f"file://{media_root}/ok.png"))

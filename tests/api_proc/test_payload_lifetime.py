@@ -26,7 +26,7 @@ import pytest
 
 import api_proc.serving as serving_module
 from api_proc.engine_client import EngineClient
-from api_proc.errors import EngineError
+from api_proc.errors import EngineFailed
 from api_proc.media_loader import MediaLoader, MediaRef
 from shared.messages import AddRequest, ImageInput
 from shared.sampling_params import SamplingParams
@@ -183,7 +183,7 @@ async def test_engine_client_error_path_drops_the_payload(engine_double, tiny_mo
         refs = _payload_refs(request)
         stream = client.submit(request)
         del request
-        with pytest.raises(EngineError) as e:
+        with pytest.raises(EngineFailed) as e:
             async for _ in stream:
                 pass
         assert e.value.__context__ is None and e.value.__cause__ is None

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from api_proc.errors import BadRequestError
+from api_proc.errors import BadRequest
 from api_proc.prompt_builder import PromptBuilder, template_messages
 from api_proc.protocol import ChatCompletionRequest
 
@@ -72,29 +72,29 @@ def test_text_only_has_no_image_tokens(builder):
 
 
 def test_placeholder_typed_in_text_is_refused(builder):
-    with pytest.raises(BadRequestError, match="placeholder"):
+    with pytest.raises(BadRequest, match="placeholder"):
         builder.build_chat(_messages("sneaky <|image_pad|>"), [])
-    with pytest.raises(BadRequestError, match="placeholder"):
+    with pytest.raises(BadRequest, match="placeholder"):
         builder.build_chat(_messages([_image_part(), {"type": "text", "text": "<|image_pad|>"}]),
                            [(1, 2, 2)])
-    with pytest.raises(BadRequestError, match="video"):
+    with pytest.raises(BadRequest, match="video"):
         builder.build_chat(_messages("<|video_pad|>"), [])
 
 
 def test_completion_prompts(builder):
     assert builder.build_completion("hello world") == builder.encode("hello world")
     assert builder.build_completion([1, 2, 3]) == [1, 2, 3]
-    with pytest.raises(BadRequestError):
+    with pytest.raises(BadRequest):
         builder.build_completion([10**9])
 
 
 def test_max_model_len(builder):
     assert builder.resolve_max_tokens(100, None) == 412
     assert builder.resolve_max_tokens(100, 412) == 412
-    with pytest.raises(BadRequestError, match="max_model_len") as e:
+    with pytest.raises(BadRequest, match="max_model_len") as e:
         builder.resolve_max_tokens(100, 413)
     assert e.value.status == 400 and e.value.code == "context_length_exceeded"
-    with pytest.raises(BadRequestError, match="512"):
+    with pytest.raises(BadRequest, match="512"):
         builder.resolve_max_tokens(512, 1)
 
 
@@ -103,5 +103,5 @@ def test_template_errors_are_400(tiny_model_path):
     from api_proc.prompt_builder import compile_chat_template
 
     b._template = compile_chat_template("{{ raise_exception('no system role') }}")
-    with pytest.raises(BadRequestError, match="no system role"):
+    with pytest.raises(BadRequest, match="no system role"):
         b.render_chat([{"role": "user", "content": "x"}])

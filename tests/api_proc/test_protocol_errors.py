@@ -4,26 +4,26 @@ import pytest
 from pydantic import ValidationError
 
 from api_proc.errors import (
-    APIError,
-    AuthenticationError,
-    BadRequestError,
-    EngineUnavailableError,
-    NotFoundError,
-    OverBudgetError,
-    PayloadTooLargeError,
+    BadRequest,
+    EngineUnavailable,
+    HTTPError,
+    NotFound,
+    OverBudget,
+    PayloadTooLarge,
+    Unauthorized,
     format_validation_errors,
 )
 from api_proc.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
 
 
 @pytest.mark.parametrize("cls, status, type_", [
-    (BadRequestError, 400, "invalid_request_error"),
-    (AuthenticationError, 401, "authentication_error"),
-    (NotFoundError, 404, "not_found_error"),
-    (PayloadTooLargeError, 413, "request_too_large"),
-    (OverBudgetError, 429, "rate_limit_error"),
-    (EngineUnavailableError, 503, "service_unavailable"),
-    (APIError, 500, "internal_error"),
+    (BadRequest, 400, "invalid_request_error"),
+    (Unauthorized, 401, "authentication_error"),
+    (NotFound, 404, "not_found_error"),
+    (PayloadTooLarge, 413, "request_too_large"),
+    (OverBudget, 429, "rate_limit_error"),
+    (EngineUnavailable, 503, "service_unavailable"),
+    (HTTPError, 500, "internal_error"),
 ])
 def test_error_shapes(cls, status, type_):
     err = cls("went wrong", param="messages")

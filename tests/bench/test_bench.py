@@ -17,10 +17,10 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from api_proc.bench import main, parse_args
-from api_proc.bench.config import DEFAULT_CONCURRENCY
-from api_proc.bench.schedule import arrival_offsets
-from api_proc.bench.workload import build_bodies
+from flatserve.bench import main, parse_args
+from flatserve.bench.config import DEFAULT_CONCURRENCY
+from flatserve.bench.schedule import arrival_offsets
+from flatserve.bench.workload import build_bodies
 
 JSON_KEYS = {"label", "requests_per_s", "output_tokens_per_s", "ttft_ms", "tpot_ms", "itl_ms",
              "e2e_ms", "health_ms", "errors", "error_kinds", "first_error", "completed",
@@ -133,7 +133,7 @@ def test_config_defaults_and_passthrough():
     closed = parse_args(["--", "--max-num-seqs", "8"])
     assert closed.concurrency == DEFAULT_CONCURRENCY and closed.request_rate is None
     assert closed.warmup_requests == min(DEFAULT_CONCURRENCY, 8)
-    assert closed.start_command(9) == [sys.executable, "-m", "api_proc.cli", "serve",
+    assert closed.start_command(9) == [sys.executable, "-m", "flatserve.cli", "serve",
                                        "--port", "9", "--max-num-seqs", "8"]
     opened = parse_args(["--request-rate", "2", "--base-url", "http://h:1/"])
     assert opened.concurrency is None and opened.base_url == "http://h:1"
@@ -245,7 +245,7 @@ def test_streams_without_done_end_at_their_finish_reason(serve_fake, tmp_path, c
 def test_flatserve_bench_against_the_tiny_model(tmp_path):
     path = tmp_path / "bench.json"
     run = subprocess.run(
-        [sys.executable, "-m", "api_proc.cli", "bench", "--num-requests", "6", "--output-len",
+        [sys.executable, "-m", "flatserve.cli", "bench", "--num-requests", "6", "--output-len",
          "4", "--concurrency", "2", "--workload", "mixed", "--image-size", "64",
          "--no-progress", "--json", str(path), "--server-log", str(tmp_path / "server.log"),
          "--", "--max-num-seqs", "8"],

@@ -24,7 +24,7 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *flags: str, module: str = "api_proc.cli", log_path: Path | None = None,
+    def __init__(self, *flags: str, module: str = "flatserve.cli", log_path: Path | None = None,
                  env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

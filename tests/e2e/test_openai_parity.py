@@ -11,10 +11,10 @@ import openai
 import pytest
 from PIL import Image
 
-from api_proc.client import AsyncClient, Client
 from api_proc.detokenizer import TokenDecoder
 from api_proc.prompt_builder import PromptBuilder
 from engine_proc.llm_engine import LLMEngine
+from flatserve.sdk import AsyncClient, Client
 from shared.image_resize import resize_image
 from shared.messages import AddRequest, ImageInput
 from shared.model_config import load_model_config

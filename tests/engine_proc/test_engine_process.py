@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from api_proc.engine_client import EngineClient
-from api_proc.errors import BadRequestError
+from api_proc.errors import BadRequest
 from engine_proc.engine_process import EngineProcess
 from rpc.sockets import IpcDir
 from shared.engine_config import EngineConfig
@@ -116,7 +116,7 @@ def test_bad_request_fails_alone_with_a_typed_error(engine, tiny_model_path):
     async def run():
         client = await _client(process)
         bad = AddRequest("bad", [cfg.image_token_id] * 3, SamplingParams(max_tokens=2))
-        with pytest.raises(BadRequestError) as err:
+        with pytest.raises(BadRequest) as err:
             [o async for o in client.submit(bad)]
         good = _image_request(cfg, "good", 56, 3)
         outs = [o async for o in client.submit(good)]

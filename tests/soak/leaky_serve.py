@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from api_proc import cli
+from flatserve import cli
 from api_proc.engine_client import EngineClient
 
 _kept: list = []  # what the leaking layer never lets go of

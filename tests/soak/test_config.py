@@ -2,7 +2,7 @@ import sys
 
 import pytest
 
-from api_proc.soak.config import (
+from flatserve.soak.config import (
     DEFAULT_REQUESTS,
     SoakConfig,
     parse_args,
@@ -17,7 +17,7 @@ def test_defaults_and_passthrough():
     assert config.requests == DEFAULT_REQUESTS
     assert config.concurrency == 8 and config.stream is False
     assert config.server_args == ("--model", "/m", "--mm-inflight-budget", "1024")
-    assert config.start_command(1234) == [sys.executable, "-m", "api_proc.cli", "serve",
+    assert config.start_command(1234) == [sys.executable, "-m", "flatserve.cli", "serve",
                                           "--port", "1234", "--model", "/m",
                                           "--mm-inflight-budget", "1024"]
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from api_proc.soak.images import KINDS, POOL_BYTES, ImagePool, make_image
+from flatserve.soak.images import KINDS, POOL_BYTES, ImagePool, make_image
 
 
 @pytest.mark.parametrize("kind", KINDS)

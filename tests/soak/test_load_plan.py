@@ -2,9 +2,9 @@ import json
 
 import pytest
 
-from api_proc.soak.config import SoakConfig
-from api_proc.soak.images import ImagePool
-from api_proc.soak.load import StreamFailure, _check_chunk, build_body, plan_request
+from flatserve.soak.config import SoakConfig
+from flatserve.soak.images import ImagePool
+from flatserve.soak.load import StreamFailure, _check_chunk, build_body, plan_request
 
 
 def test_plans_are_deterministic_and_follow_the_shares():

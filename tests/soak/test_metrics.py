@@ -1,4 +1,4 @@
-from api_proc.soak.metrics import parse_mm_metrics
+from flatserve.soak.metrics import parse_mm_metrics
 
 TEXT = """# HELP flatserve_mm_inflight_bytes Multimodal bytes being prepared.
 # TYPE flatserve_mm_inflight_bytes gauge

@@ -3,10 +3,10 @@ import json
 
 from PIL import Image
 
-from api_proc.soak.load import LoadStats
-from api_proc.soak.report import write_csv, write_json, write_plot
-from api_proc.soak.sampler import Sample
-from api_proc.soak.summary import summarize
+from flatserve.soak.load import LoadStats
+from flatserve.soak.report import write_csv, write_json, write_plot
+from flatserve.soak.sampler import Sample
+from flatserve.soak.summary import summarize
 
 
 def run_data():

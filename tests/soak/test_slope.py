@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from api_proc.soak.summary import fit_slope, slope_stderr, warmup_requests
+from flatserve.soak.summary import fit_slope, slope_stderr, warmup_requests
 
 
 def test_exact_line_in_mb_per_thousand_requests():

@@ -14,8 +14,8 @@ import httpx
 import psutil
 import pytest
 
-from api_proc.soak import SoakConfig, main, run_soak
-from api_proc.soak.server import free_port
+from flatserve.soak import SoakConfig, main, run_soak
+from flatserve.soak.server import free_port
 
 FAKE_SERVER = str(Path(__file__).with_name("fake_server.py"))
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
@@ -101,7 +101,7 @@ def test_attach_with_pids_from_the_command_line(tmp_path, running_server, capsys
 
 def test_sigterm_stops_the_soak_and_the_server_it_started(tmp_path):
     soak = subprocess.Popen(
-        [sys.executable, "-m", "api_proc.cli", "soak", "--requests", "100000", "--concurrency",
+        [sys.executable, "-m", "flatserve.cli", "soak", "--requests", "100000", "--concurrency",
          "2", "--image-size", "48", "--max-tokens", "4", "--interval", "0.05", "--no-progress",
          "--out", str(tmp_path), "--server-command", f"{sys.executable} {FAKE_SERVER} serve",
          "--", "--engines", "1"],

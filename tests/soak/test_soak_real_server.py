@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from api_proc.soak import SoakConfig, run_soak
+from flatserve.soak import SoakConfig, run_soak
 
 # A short run (about 20 s each on an idle machine): the slope limit is looser than the default meant for
 # thousands of requests, since the engine's per-step working set (+-10 MB with the batch

@@ -1,8 +1,8 @@
 import pytest
 
-from api_proc.soak.load import LoadStats
-from api_proc.soak.sampler import Sample
-from api_proc.soak.summary import format_table, summarize
+from flatserve.soak.load import LoadStats
+from flatserve.soak.sampler import Sample
+from flatserve.soak.summary import format_table, summarize
 
 
 def make_samples(total=1000, step=50, api=lambda x: 100.0, engine=lambda x: 500.0):

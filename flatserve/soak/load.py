@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from api_proc.soak.config import SoakConfig
-from api_proc.soak.images import ImagePool
+from flatserve.soak.config import SoakConfig
+from flatserve.soak.images import ImagePool
 
 KEEP_ERRORS = 10  # error messages kept verbatim; the rest are only counted by kind
 POOL_TIMEOUT_S = 60.0

@@ -11,9 +11,9 @@ from contextlib import AbstractContextManager
 
 import httpx
 
-from api_proc.bench.config import BenchConfig
-from api_proc.bench.request import RequestResult, send_request
-from api_proc.bench.schedule import arrival_offsets
+from flatserve.bench.config import BenchConfig
+from flatserve.bench.request import RequestResult, send_request
+from flatserve.bench.schedule import arrival_offsets
 
 
 class Load:

@@ -8,8 +8,8 @@ import random
 import sys
 from dataclasses import dataclass
 
-from api_proc.bench.config import BenchConfig
-from api_proc.soak.images import ImagePool
+from flatserve.bench.config import BenchConfig
+from flatserve.soak.images import ImagePool
 
 # Short common words: most tokenizers give one token to each (with its leading space).
 WORDS = tuple("""

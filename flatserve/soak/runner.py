@@ -10,13 +10,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from api_proc.soak.config import SoakConfig, parse_args, parse_bytes, passthrough_value
-from api_proc.soak.images import ImagePool
-from api_proc.soak.load import LoadGenerator, LoadStats
-from api_proc.soak.processes import listening_pid, make_targets, tree_pids
-from api_proc.soak.report import write_csv, write_json, write_plot
-from api_proc.soak.sampler import MB, RssSampler
-from api_proc.soak.server import (
+from flatserve.soak.config import SoakConfig, parse_args, parse_bytes, passthrough_value
+from flatserve.soak.images import ImagePool
+from flatserve.soak.load import LoadGenerator, LoadStats
+from flatserve.soak.processes import listening_pid, make_targets, tree_pids
+from flatserve.soak.report import write_csv, write_json, write_plot
+from flatserve.soak.sampler import MB, RssSampler
+from flatserve.soak.server import (
     ManagedServer,
     NoModelId,
     ServerStartError,
@@ -24,7 +24,7 @@ from api_proc.soak.server import (
     log_tail,
     sigterm_as_interrupt,
 )
-from api_proc.soak.summary import Summary, format_table, summarize
+from flatserve.soak.summary import Summary, format_table, summarize
 
 
 class SoakError(RuntimeError):

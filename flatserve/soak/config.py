@@ -54,7 +54,7 @@ class SoakConfig:
     # starting the server itself
     server_args: tuple[str, ...] = opt((), "arguments after '--', passed to flatserve serve")
     server_command: tuple[str, ...] = opt((), "command that starts the server before "
-                                               "'--port N' (default: python -m api_proc.cli serve)")
+                                               "'--port N' (default: python -m flatserve.cli serve)")
     server_env: dict[str, str] | None = opt(None, "extra environment of the started server")
     server_timeout_s: float = opt(300.0, "seconds to wait for the started server's /health")
     stop_timeout_s: float = opt(15.0, "seconds between SIGINT and SIGKILL when stopping it")
@@ -113,7 +113,7 @@ def serve_command(server_command: tuple[str, ...], server_args: tuple[str, ...],
                   port: int | None) -> list[str]:
     """The command that starts a server: `server_command` (default: flatserve serve), then
     '--port N' unless `port` is None, then `server_args`."""
-    base = list(server_command) or [sys.executable, "-m", "api_proc.cli", "serve"]
+    base = list(server_command) or [sys.executable, "-m", "flatserve.cli", "serve"]
     return [*base, *([] if port is None else ["--port", str(port)]), *server_args]
 
 

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from api_proc.bench.request import RequestResult
+from flatserve.bench.request import RequestResult
 
 PERCENTILES = (50, 90, 99)
 

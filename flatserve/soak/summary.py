@@ -8,8 +8,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from api_proc.soak.load import LoadStats
-from api_proc.soak.sampler import Sample
+from flatserve.soak.load import LoadStats
+from flatserve.soak.sampler import Sample
 
 MIN_FIT_SAMPLES = 3
 

@@ -8,8 +8,8 @@ import re
 import sys
 from pathlib import Path
 
-from api_proc.soak.sampler import Sample
-from api_proc.soak.summary import ProcessSummary, Summary
+from flatserve.soak.sampler import Sample
+from flatserve.soak.summary import ProcessSummary, Summary
 
 
 def _slug(role: str) -> str:

@@ -1,4 +1,4 @@
-"""The Python SDK (api_proc/client.py) and the official openai client against the app."""
+"""The Python SDK (flatserve/sdk.py) and the official openai client against the app."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import openai
 import pytest
 from PIL import Image
 
-from api_proc import client as sdk
+from flatserve import sdk
 from shared.tiny_checkpoint import CHECKPOINT_VERSION
 from tests.api_proc.conftest import encode_image
 

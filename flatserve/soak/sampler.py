@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 import httpx
 import psutil
 
-from api_proc.soak.metrics import parse_mm_metrics
-from api_proc.soak.processes import Target
+from flatserve.soak.metrics import parse_mm_metrics
+from flatserve.soak.processes import Target
 
 MB = 1 << 20
 

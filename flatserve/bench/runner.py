@@ -7,15 +7,15 @@ import contextlib
 import sys
 from collections.abc import Iterator
 
-from api_proc.bench.config import BenchConfig, parse_args
-from api_proc.bench.health import HealthPoller, ServerUnreachable, health_path
-from api_proc.bench.load import Load
-from api_proc.bench.report import format_table, write_json
-from api_proc.bench.request import RequestResult
-from api_proc.bench.stats import BenchResult, summarize
-from api_proc.bench.workload import build_bodies
-from api_proc.soak.config import passthrough_value
-from api_proc.soak.server import (
+from flatserve.bench.config import BenchConfig, parse_args
+from flatserve.bench.health import HealthPoller, ServerUnreachable, health_path
+from flatserve.bench.load import Load
+from flatserve.bench.report import format_table, write_json
+from flatserve.bench.request import RequestResult
+from flatserve.bench.stats import BenchResult, summarize
+from flatserve.bench.workload import build_bodies
+from flatserve.soak.config import passthrough_value
+from flatserve.soak.server import (
     ManagedServer,
     NoModelId,
     ServerStartError,

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from api_proc.soak.config import serve_command, split_passthrough
+from flatserve.soak.config import serve_command, split_passthrough
 from shared.config_args import opt
 
 WORKLOADS = ("text", "image", "mixed")
@@ -63,7 +63,7 @@ class BenchConfig:
     # starting the server itself
     server_args: tuple[str, ...] = opt((), "arguments after '--', passed to flatserve serve")
     server_command: tuple[str, ...] = opt((), "command that starts the server before "
-                                               "'--port N' (default: python -m api_proc.cli serve)")
+                                               "'--port N' (default: python -m flatserve.cli serve)")
     server_env: dict[str, str] | None = opt(None, "extra environment of the started server")
     server_log: str | None = opt(None, "log file of the started server "
                                        "(default out/bench-<timestamp>-server.log)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from api_proc.bench.stats import BenchResult
+from flatserve.bench.stats import BenchResult
 
 COLUMNS = ("mean", "p50", "p90", "p99", "max")
 NAME_WIDTH = 22

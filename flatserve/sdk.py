@@ -1,6 +1,6 @@
 """Python SDK for a flatserve server (or any OpenAI-compatible one): `Client`, `AsyncClient`.
 
-    from api_proc.client import Client
+    from flatserve import Client
     with Client("http://127.0.0.1:8000") as client:
         result = client.chat(prompt="What is in this picture?", images=["cat.jpg"])
         print(result.text, result.usage.total_tokens)

@@ -10,24 +10,9 @@ import sys
 from dataclasses import fields, replace
 
 from api_proc.config import ApiConfig
+from flatserve.launcher import ENGINE_FLAGS
 from shared.config_args import add_dataclass_args
 from shared.engine_config import EngineConfig
-
-# EngineConfig fields that `serve` exposes as flags; the rest are set by the launcher.
-ENGINE_FLAGS = (
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "max_num_encoder_patches",
-    "block_size",
-    "num_kv_blocks",
-    "kv_cache_memory_bytes",
-    "max_waiting",
-    "device",
-    "dtype",
-    "torch_threads",
-    "engine_nice",
-)
-DEFAULT_MAX_MODEL_LEN = 8192
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -65,7 +50,7 @@ def build_serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 
 def serve(args: argparse.Namespace) -> int:
-    from api_proc.serve import run_server
+    from flatserve.launcher import run_server
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s api %(levelname)s %(name)s: %(message)s")
@@ -90,11 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     make.add_argument("--out", help="write a fresh copy into this folder instead of the cache")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["soak"]:
-        from api_proc.soak import main as soak_main
+        from flatserve.soak import main as soak_main
 
         return soak_main(argv[1:], prog="flatserve soak")
     if argv[:1] == ["bench"]:
-        from api_proc.bench import main as bench_main
+        from flatserve.bench import main as bench_main
 
         return bench_main(argv[1:], prog="flatserve bench")
     args = parser.parse_args(argv)

@@ -16,7 +16,7 @@ from typing import Protocol
 import httpx
 import psutil
 
-from api_proc.soak.config import passthrough_value
+from flatserve.soak.config import passthrough_value
 
 
 def _interrupt(signum, frame) -> None:

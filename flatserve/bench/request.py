@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from api_proc.soak.load import StreamFailure, parse_chunk
+from flatserve.soak.load import StreamFailure, parse_chunk
 
 ERROR_HEAD = 300  # characters of an error body kept
 

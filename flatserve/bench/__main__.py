@@ -1,0 +1,5 @@
+import sys
+
+from flatserve.bench import main
+
+sys.exit(main(prog="python -m flatserve.bench"))
