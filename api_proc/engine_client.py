@@ -67,7 +67,6 @@ class EngineConnection:
         self.on_request_end: Callable[[], None] = lambda: None
         self.num_tokens = 0  # prompt tokens not yet prefilled + completion tokens not yet made
         self.stats: EngineStats | None = None
-        self.answered = False
         self.lost_reason: str | None = "not connected yet"
         self._ready = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -162,7 +161,6 @@ class EngineConnection:
             self.stats = step.stats
         if self.lost_reason is not None:
             self.lost_reason = None
-            self.answered = True
             self._ready.set()
         streams = self.streams
         for output in step.outputs:

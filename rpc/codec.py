@@ -21,7 +21,7 @@ import msgpack
 import numpy as np
 import zmq
 
-from shared.messages import WIRE_TYPES, AddRequest, RequestOutput, StepOutputs
+from shared.messages import WIRE_TYPES, AddRequest, EngineStats, RequestOutput, StepOutputs
 
 EXT_STRUCT = 1  # data: one byte, the index of the type in WIRE_TYPES
 EXT_ARRAY = 2  # [marker, shape, buffer index | inline bytes]
@@ -43,6 +43,8 @@ _INDEX = {t: i for i, t in enumerate(WIRE_TYPES)}
 _ARRAY = msgpack.ExtType(EXT_ARRAY, b"")
 _STEP_INDEX = _INDEX[StepOutputs]
 _STEP_MARKER = _MARKERS[_STEP_INDEX]
+_STEP_HEAD = msgpack.packb([_STEP_MARKER, None, None])[:4]  # array of 3, then the marker
+_STATS_FIELDS = _FIELDS[_INDEX[EngineStats]]
 _local = threading.local()  # one Encoder (a reusable msgpack Packer) per thread
 
 
@@ -68,11 +70,12 @@ def encode(message: Any) -> list[Any]:
 def decode(frames: Sequence[Any]) -> Any:
     if not frames:
         raise DecodeError("empty message")
+    doc = frames[0].buffer if isinstance(frames[0], zmq.Frame) else memoryview(frames[0])
+    if doc[:4] == _STEP_HEAD and len(frames) == 1:
+        return _decode_step(doc)
     decoder = _Decoder(frames[1:])
-    doc = frames[0]
     try:
-        value = msgpack.unpackb(doc.buffer if isinstance(doc, zmq.Frame) else doc,
-                                ext_hook=decoder.ext_hook, list_hook=decoder.list_hook,
+        value = msgpack.unpackb(doc, ext_hook=decoder.ext_hook, list_hook=decoder.list_hook,
                                 raw=False, strict_map_key=False)
     except DecodeError:
         raise
@@ -81,6 +84,16 @@ def decode(frames: Sequence[Any]) -> Any:
     if decoder.open_markers or type(value) not in _INDEX:
         raise DecodeError("the message is not a wire message")
     return value
+
+
+def _decode_step(doc: Any) -> StepOutputs:
+    """The hot path: [marker, rows of plain values, stats values or None], no hooks."""
+    try:
+        _, rows, stats = msgpack.unpackb(doc, raw=False)
+        return StepOutputs([RequestOutput(*row) for row in rows],
+                           None if stats is None else EngineStats(*stats))
+    except Exception as e:
+        raise DecodeError(f"malformed StepOutputs: {type(e).__name__}: {e}") from None
 
 
 def peek_request_id(frames: Sequence[Any]) -> str | None:
@@ -115,9 +128,11 @@ class _Encoder:
 
     def default(self, obj: Any) -> Any:
         if type(obj) is StepOutputs:  # the hot path: rows of plain values, no marker per output
+            stats = obj.stats
             return [_STEP_MARKER, [(o.request_id, o.new_token_ids, o.finish_reason,
                                     o.num_prompt_tokens, o.num_completion_tokens, o.error,
-                                    o.error_code) for o in obj.outputs], obj.stats]
+                                    o.error_code) for o in obj.outputs],
+                    None if stats is None else [getattr(stats, n) for n in _STATS_FIELDS]]
         index = _INDEX.get(type(obj))
         if index is not None:
             return [_MARKERS[index], *[getattr(obj, name) for name in _FIELDS[index]]]
@@ -160,8 +175,6 @@ class _Decoder:
         index = items[0].index
         if index < 0:
             return self.array(items)
-        if index == _STEP_INDEX and len(items) == 3 and type(items[1]) is list:
-            return StepOutputs([RequestOutput(*row) for row in items[1]], items[2])
         names = _FIELDS[index]
         if len(items) - 1 != len(names):
             raise DecodeError(f"{WIRE_TYPES[index].__name__} with {len(items) - 1} fields, "

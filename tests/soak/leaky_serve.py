@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import sys
 
-from flatserve import cli
 from api_proc.engine_client import EngineClient
+from flatserve import cli
 
 _kept: list = []  # what the leaking layer never lets go of
 _submit = EngineClient.submit
