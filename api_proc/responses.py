@@ -130,8 +130,10 @@ class ResponseWriter:
             on_end(status)
 
     def _chunk(self, p: Prepared, index: int, text: str | None, finish: str | None) -> bytes:
-        """One SSE chunk (built as a dict: exactly OpenAI's field set, nulls included).
-        For chat, text=None is the opening chunk that carries the role."""
+        """One SSE chunk; for chat, text=None is the opening chunk that carries the role.
+        Built as a dict with exactly OpenAI's fields: the protocol models are the schema
+        (tests validate every chunk against ChatCompletionChunk), but dumping one per token
+        costs 7.0 us against 5.3 (measured) and adds fields OpenAI leaves out (delta.role)."""
         if p.kind == "chat":
             delta = {"role": "assistant", "content": ""} if text is None else {"content": text}
             choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
