@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import sys
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ from flatserve.soak.server import (
     NoModelId,
     ServerStartError,
     first_model,
+    run_interruptible,
     sigterm_as_interrupt,
 )
 
@@ -104,7 +104,7 @@ def run_bench(config: BenchConfig) -> BenchResult:
         progress = _ProgressBar(config)
         load = Load(config, base_url + "/v1/chat/completions", headers, on_finish=progress.update)
         poller = HealthPoller(base_url + path, config.health_interval_s, headers)
-        warm, results = asyncio.run(load.run(warmup, measured, _measuring(progress, poller)))
+        warm, results = run_interruptible(load.run(warmup, measured, _measuring(progress, poller)))
     _report_warmup(warm)
     settings = {"base_url": base_url, "model": model, **config.settings()}
     return summarize(results, poller.latencies_s, path, poller.errors, config.label, settings)

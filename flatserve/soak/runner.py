@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import sys
@@ -22,6 +21,7 @@ from flatserve.soak.server import (
     ServerStartError,
     first_model,
     log_tail,
+    run_interruptible,
     sigterm_as_interrupt,
 )
 from flatserve.soak.summary import Summary, format_table, summarize
@@ -94,7 +94,7 @@ class _ProgressBar:
 def _run_load(load: LoadGenerator) -> bool:
     """Run the load to its end; True when Ctrl-C cut it short (results so far are kept)."""
     try:
-        asyncio.run(load.run())
+        run_interruptible(load.run())
     except KeyboardInterrupt:
         return True
     return False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -9,14 +10,16 @@ import socket
 import subprocess
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 import httpx
 import psutil
 
 from flatserve.soak.config import passthrough_value
+
+T = TypeVar("T")
 
 
 def _interrupt(signum, frame) -> None:
@@ -32,6 +35,25 @@ def sigterm_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def run_interruptible(main: Coroutine[Any, Any, T]) -> T:
+    """asyncio.run(main), where SIGTERM cancels `main` as Ctrl-C does and then raises
+    KeyboardInterrupt. A KeyboardInterrupt raised from a signal handler inside the event
+    loop can land in its internals and leave asyncio.run hanging; cancelling cannot."""
+    previous = signal.getsignal(signal.SIGTERM)
+
+    async def cancel_on_sigterm() -> T:
+        task = asyncio.current_task()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+        return await main
+
+    try:
+        return asyncio.run(cancel_on_sigterm())
+    except asyncio.CancelledError:
+        raise KeyboardInterrupt from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)  # the loop's removal left SIG_DFL
 
 
 class NoModelId(RuntimeError):
