@@ -187,7 +187,7 @@ def run_server(args: argparse.Namespace) -> int:
         app = build_app(config, engine_processes=[h.process for h in handles])
         logger.info("serving %s on http://%s:%d (glibc: %s)", served_name, config.host, config.port,
                     ", ".join(f"{k}={v}" for k, v in API_MALLOC_ENV.items()))
-        uvicorn.run(app, host=config.host, port=config.port, loop="uvloop",
+        uvicorn.run(app, host=config.host, port=config.port, loop="uvloop", http="httptools",
                     log_level=args.log_level, timeout_graceful_shutdown=5)
         return 0
     except _Stop as stop:

@@ -54,7 +54,7 @@ class BenchConfig:
                                             f"run (default: concurrency, at most "
                                             f"{MAX_DEFAULT_WARMUP})")
     seed: int = opt(0, "seed of prompts, lengths, images and arrivals")
-    request_timeout_s: float = opt(600.0, "timeout of each connect, write and read of a "
+    request_timeout_s: float = opt(600.0, "timeout of each connect and each read of a "
                                           "request, seconds")
     health_interval_s: float = opt(0.1, "seconds between GET /health probes during the run")
     label: str | None = opt(None, "text printed in the header and stored in the JSON")

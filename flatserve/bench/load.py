@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
-import httpx
+import aiohttp
 
 from flatserve.bench.config import BenchConfig
 from flatserve.bench.request import RequestResult, send_request
@@ -32,10 +32,12 @@ class Load:
         """(warm-up results, measured results); `during` is entered for the measured part."""
         config = self.config
         limit = config.concurrency
-        limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
-        timeout = httpx.Timeout(config.request_timeout_s)
-        async with httpx.AsyncClient(limits=limits, timeout=timeout,
-                                     headers=self.headers) as client:
+        connector = aiohttp.TCPConnector(limit=limit or 0)  # 0: no limit (open loop)
+        # like httpx's: a limit on connecting and on each wait for bytes, not on the stream
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.request_timeout_s,
+                                        sock_read=config.request_timeout_s)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout,
+                                         headers=self.headers, read_bufsize=1 << 20) as client:
             warm = await self._closed_loop(client, warmup, limit or len(warmup), count=False)
             with during:
                 if config.request_rate is None:
@@ -44,14 +46,14 @@ class Load:
                     results = await self._open_loop(client, measured, config.request_rate)
         return warm, results
 
-    async def _send(self, client: httpx.AsyncClient, body: bytes, count: bool = True,
+    async def _send(self, client: aiohttp.ClientSession, body: bytes, count: bool = True,
                     ) -> RequestResult:
         result = await send_request(client, self.url, body)
         if count and self.on_finish is not None:
             self.on_finish(result)
         return result
 
-    async def _closed_loop(self, client: httpx.AsyncClient, bodies: list[bytes],
+    async def _closed_loop(self, client: aiohttp.ClientSession, bodies: list[bytes],
                            workers: int, count: bool = True) -> list[RequestResult]:
         """`workers` tasks, each sending the next body when its previous request ends."""
         results: list[RequestResult | None] = [None] * len(bodies)
@@ -64,7 +66,7 @@ class Load:
         await asyncio.gather(*(worker() for _ in range(min(workers, len(bodies)))))
         return results  # type: ignore[return-value]  # every slot is filled
 
-    async def _open_loop(self, client: httpx.AsyncClient, bodies: list[bytes],
+    async def _open_loop(self, client: aiohttp.ClientSession, bodies: list[bytes],
                          rate: float) -> list[RequestResult]:
         """Each body sent at its Poisson arrival time; with a concurrency cap, a request whose
         time has come waits for a free slot and is timed from when it is sent."""

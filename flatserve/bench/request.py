@@ -1,11 +1,14 @@
-"""One streamed chat request, timed chunk by chunk from its SSE stream."""
+"""One streamed chat request, timed chunk by chunk from its SSE stream.
+
+The load goes through aiohttp: on two cores a client's CPU is taken from the server it
+measures, and aiohttp reads an SSE event for about a third of what httpx spends."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
 from flatserve.soak.load import StreamFailure, parse_chunk
 
@@ -43,41 +46,40 @@ class RequestResult:
         self.error_kind, self.error = kind, message[:ERROR_HEAD]
 
 
-async def send_request(client: httpx.AsyncClient, url: str, body: bytes) -> RequestResult:
+async def send_request(session: aiohttp.ClientSession, url: str, body: bytes) -> RequestResult:
     """POST `body` to `url` and read its stream to [DONE]; failures are recorded in the result,
     never raised."""
     result = RequestResult(sent_at=time.perf_counter())
     try:
-        async with client.stream("POST", url, content=body) as response:
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")
-                raise StreamFailure(f"HTTP {response.status_code}",
-                                   f"HTTP {response.status_code}: {text}")
+        async with session.post(url, data=body) as response:
+            if response.status != 200:
+                text = (await response.read()).decode(errors="replace")
+                raise StreamFailure(f"HTTP {response.status}", f"HTTP {response.status}: {text}")
             await _read_stream(response, result)
         result.ok = True
     except StreamFailure as err:
         result.fail(err.kind, str(err))
-    except httpx.TimeoutException as err:
+    except TimeoutError as err:  # aiohttp's timeouts are TimeoutErrors too
         result.fail("timeout", repr(err))
-    except httpx.TransportError as err:
+    except aiohttp.ClientConnectionError as err:
         result.fail("connection", repr(err))
-    except httpx.HTTPError as err:
+    except aiohttp.ClientError as err:
         result.fail(type(err).__name__, repr(err))
     result.ended_at = time.perf_counter()
     return result
 
 
-async def _read_stream(response: httpx.Response, result: RequestResult) -> None:
+async def _read_stream(response: aiohttp.ClientResponse, result: RequestResult) -> None:
     """Read to [DONE], or to the end of a stream whose last choice chunk had a
     finish_reason: servers such as `transformers serve` omit [DONE], and the openai client
     accepts that too."""
     last_content_at: float | None = None
     finished = False
-    async for line in response.aiter_lines():
-        if not line.startswith("data:"):
+    async for raw in response.content:  # one line at a time
+        if not raw.startswith(b"data:"):
             continue  # blank separators, comments, event/id fields
         now = time.perf_counter()
-        data = line[5:].strip()
+        data = raw[5:].strip().decode()
         if data == "[DONE]":
             return
         chunk = parse_chunk(data)
@@ -98,7 +100,6 @@ async def _read_stream(response: httpx.Response, result: RequestResult) -> None:
     raise StreamFailure("incomplete stream",
                        f"the stream ended after {result.content_chunks} content chunks "
                        "without [DONE] or a finish_reason")
-
 
 
 def _finished(chunk: dict, finished: bool) -> bool:
