@@ -70,6 +70,7 @@ class LLMEngine:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_encoder_patches=max_num_encoder_patches,
+            num_encoder_stages=self.model_runner.model.num_vision_stages,
             max_model_len=self.max_model_len,
             max_waiting=max_waiting,
             eos_token_ids=self.config.eos_token_ids,
@@ -186,7 +187,11 @@ class LLMEngine:
 
     def _fail(self, batch: ScheduledBatch, error: str) -> list[RequestOutput]:
         outputs = []
-        for seq in batch.seqs:
+        seqs = list(batch.seqs)
+        if batch.encoder_stage is not None:  # its sequence may have no tokens in the step
+            seqs += [s for s in self.mm_seqs
+                     if s not in seqs and any(i is batch.encoder_stage for i in s.images)]
+        for seq in seqs:
             if seq.is_finished:
                 continue
             self.scheduler.finish(seq, "error", error=error)

@@ -162,6 +162,10 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> list[int]:
         """Run one step; returns the sampled token of every sequence whose scheduled range
         reaches its last token, in batch order."""
+        if batch.encoder_stage is not None:
+            self._encode_stage(batch.encoder_stage)
+        if not batch.seqs:
+            return []
         input_ids, positions, context, sample_rows, sample_seqs = self.prepare(batch)
         set_context(context)
         try:
@@ -369,6 +373,26 @@ class ModelRunner:
             if emb.untyped_storage().nbytes() > emb.numel() * emb.element_size():
                 emb = emb.clone()  # a view would keep the whole batch's storage alive
             image.embeds = emb
+
+    def _encode_stage(self, image: ImageSpan) -> None:
+        """Run the next vision stage of an image encoded over several steps: the first one
+        consumes its pixels (R3), the last one leaves its embeddings."""
+        if image.stages_done == 0:
+            pixels = self._pixels_to_device(image.pixels)
+            image.pixels = None
+            hidden = self.model.embed_patches(pixels, image.grid_thw)
+            del pixels
+        else:
+            hidden, image.hidden = image.hidden, None
+        out = self.model.encode_stage(hidden, image.grid_thw, image.stages_done)
+        del hidden
+        image.stages_done += 1
+        if image.stages_done < self.model.num_vision_stages:
+            image.hidden = out
+            return
+        if out.shape[0] != image.length:
+            raise RuntimeError(f"image encoded to {out.shape[0]} tokens, prompt has {image.length}")
+        image.embeds = out
 
     def _pixels_to_device(self, pixels: np.ndarray) -> torch.Tensor:
         with warnings.catch_warnings():  # read-only arrays (zero-copy rpc frames) are fine

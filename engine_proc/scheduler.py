@@ -7,11 +7,13 @@ then new sequences from the waiting queue, until `max_num_batched_tokens` or
 placeholder tokens.
 
 Vision work per step is bounded too: the images a step encodes may hold at most
-`max_num_encoder_patches` patches together (an image larger than that is encoded alone in
-its step). A chunk that would reach an image over that budget ends just before the image's
-placeholder tokens, and the image is encoded in a later step. So a burst of large images
-cannot freeze the running decodes for seconds: each step carries at most one budget of
-vision work beside them.
+`max_num_encoder_patches` patches together. A chunk that would reach an image over what is
+left of that budget ends just before the image's placeholder tokens, and the image is
+encoded in a later step. An image larger than the whole budget is encoded in stages (the
+vision tower cut at its full-attention blocks), one stage per step and alone, ahead of the
+chunk that consumes it: its pixels go at the first stage, the hidden states between stages
+are all it holds. So a burst of large images cannot freeze the running decodes: each step
+carries at most one budget of vision work, or one stage of one image, beside them.
 
 Preemption is by recompute (free the blocks, requeue at the front, prefill again) and only
 ever hits text-only sequences. R3 frees an image's pixels and embeddings once its last
@@ -29,7 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine_proc.block_manager import BlockManager
-from engine_proc.sequence import Sequence, SequenceStatus
+from engine_proc.sequence import ImageSpan, Sequence, SequenceStatus
 
 
 class RequestRejected(ValueError):
@@ -49,6 +51,7 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     num_decode_seqs: int = 0  # the first num_decode_seqs entries compute exactly one token
+    encoder_stage: ImageSpan | None = None  # an image this step runs one vision stage of
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
         self.seqs.append(seq)
@@ -67,32 +70,47 @@ class ScheduledBatch:
         return self.num_decode_seqs == len(self.seqs)
 
     def __bool__(self) -> bool:
-        return bool(self.seqs)
+        return bool(self.seqs) or self.encoder_stage is not None
 
 
 class _EncoderBudget:
-    """The vision patches one step may still encode."""
+    """The vision work one step may still do: patches of whole images, or one stage of
+    one image over the budget (`staged`: the image being encoded in stages, if any)."""
 
-    def __init__(self, max_patches: int) -> None:
+    def __init__(self, max_patches: int, num_stages: int, staged: ImageSpan | None) -> None:
+        self.max_patches = max_patches
         self.left = max_patches
         self.used = False
+        self.num_stages = num_stages
+        self.staged = staged
+        self.stage: ImageSpan | None = None
 
     def fit(self, seq: Sequence, num_new: int) -> int:
         """How many of `num_new` tokens from `seq`'s first uncomputed one the step can take:
         up to the first image it cannot encode within the budget (at least one image per
-        step, however large). Charges the images the returned chunk reaches."""
+        step, however large, when the model's tower has a single stage) or that is still
+        being encoded in stages. Charges the images the returned chunk reaches."""
         start = seq.num_computed_tokens
         for image in seq.images:
             if image.offset >= start + num_new:
                 break
-            if image.offset < start:
-                continue  # an earlier chunk reached it: encoded then
+            if image.offset < start or image.embeds is not None:
+                continue  # encoded already: by an earlier chunk, or ahead in stages
             patches = image.num_patches
+            if patches > self.max_patches and self.num_stages > 1:
+                if not self.used and self.staged in (None, image):
+                    self.take_stage(image)
+                return image.offset - start
             if self.used and patches > self.left:
                 return image.offset - start
             self.left -= patches
             self.used = True
         return num_new
+
+    def take_stage(self, image: ImageSpan) -> None:
+        self.stage = self.staged = image
+        self.left = 0
+        self.used = True
 
 
 class Scheduler:
@@ -105,7 +123,8 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         max_waiting: int,
-        max_num_encoder_patches: int = 8192,
+        max_num_encoder_patches: int = 4096,
+        num_encoder_stages: int = 1,
         eos_token_ids: tuple[int, ...] = (),
     ):
         if max_num_batched_tokens < max_num_seqs:
@@ -120,6 +139,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.max_waiting = max_waiting
         self.max_num_encoder_patches = max_num_encoder_patches
+        self.num_encoder_stages = num_encoder_stages
+        self.staged: ImageSpan | None = None  # the image being encoded in stages
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -166,7 +187,10 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
-        encoder = _EncoderBudget(self.max_num_encoder_patches)
+        staged = self.staged
+        if staged is not None and (staged.embeds is not None or staged.released):
+            staged = None  # encoded, or its request is gone
+        encoder = _EncoderBudget(self.max_num_encoder_patches, self.num_encoder_stages, staged)
         scheduled: set[int] = set()
         preempted = False
         # 1. one decode token for every sequence past its prefill
@@ -219,6 +243,10 @@ class Scheduler:
             self.running.append(seq)
             batch.add(seq, num_new)
             budget -= num_new
+        if encoder.stage is None and encoder.staged is not None and not encoder.used:
+            encoder.take_stage(encoder.staged)  # its sequence was not reached this step
+        batch.encoder_stage = encoder.stage
+        self.staged = encoder.staged
         return batch
 
     def _make_room(self, seq: Sequence, scheduled: set[int]) -> bool:

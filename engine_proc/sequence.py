@@ -19,9 +19,12 @@ class SequenceStatus(Enum):
 
 class ImageSpan:
     """One image of a prompt: its uint8 pixels until encoded, its embeddings until the
-    chunk that covers its last placeholder token has run, then nothing (R3)."""
+    chunk that covers its last placeholder token has run, then nothing (R3). An image
+    encoded over several steps (see `Scheduler`) holds, between them, the vision tower's
+    hidden states instead of its pixels."""
 
-    __slots__ = ("grid_thw", "offset", "length", "pixels", "embeds", "__weakref__")
+    __slots__ = ("grid_thw", "offset", "length", "pixels", "hidden", "stages_done", "embeds",
+                 "__weakref__")
 
     def __init__(
         self, pixels: np.ndarray, grid_thw: tuple[int, int, int], offset: int, length: int
@@ -30,6 +33,8 @@ class ImageSpan:
         self.grid_thw = grid_thw
         self.offset = offset  # prompt index of the first placeholder token
         self.length = length  # number of placeholder tokens
+        self.hidden: torch.Tensor | None = None  # vision hidden states between stages
+        self.stages_done = 0
         self.embeds: torch.Tensor | None = None  # [length, hidden] on the model's device
 
     @property
@@ -43,17 +48,19 @@ class ImageSpan:
 
     @property
     def released(self) -> bool:
-        return self.pixels is None and self.embeds is None
+        return self.pixels is None and self.hidden is None and self.embeds is None
 
     @property
     def nbytes(self) -> int:
         n = 0 if self.pixels is None else int(self.pixels.nbytes)
-        if self.embeds is not None:
-            n += self.embeds.numel() * self.embeds.element_size()
+        for tensor in (self.hidden, self.embeds):
+            if tensor is not None:
+                n += tensor.numel() * tensor.element_size()
         return n
 
     def release(self) -> None:
         self.pixels = None
+        self.hidden = None
         self.embeds = None
 
 

@@ -16,7 +16,8 @@ class EngineConfig:
     max_num_seqs: int = opt(64, "most sequences in one batch")
     max_num_batched_tokens: int = opt(8192, "token budget of one step (chunked prefill)")
     max_num_encoder_patches: int = opt(
-        8192, "vision patches one step may encode (an image larger than this runs alone)")
+        4096, "vision patches one step may encode (a larger image is encoded in stages, one "
+        "per step, the vision tower cut at its full-attention blocks)")
     max_model_len: int = opt(0, "prompt + completion token limit (0: the model's own)")
     block_size: int = opt(16, "tokens per KV cache block")
     num_kv_blocks: int = opt(0, "KV cache blocks (0: from --kv-cache-memory-bytes)")

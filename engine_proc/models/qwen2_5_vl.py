@@ -163,18 +163,7 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         if len(pixels) != len(grids):
             raise ValueError(f"{len(pixels)} images but {len(grids)} grids")
         grids = [tuple(int(v) for v in g) for g in grids]
-        # Patches are embedded piece by piece: float patches are 8x the uint8 pixels
-        # (float32, temporal duplication), ~100 MB for one 2048px image; the embeddings
-        # are a tenth of that.
-        hidden = torch.cat(
-            [
-                self.visual.patch_embed(chunk)
-                for p, g in zip(pixels, grids, strict=True)
-                for chunk in pixels_to_patch_chunks(
-                    p.to(self.device, non_blocking=True), g, self.config.image, PATCH_CHUNK
-                )
-            ]
-        )
+        hidden = torch.cat([self.embed_patches(p, g) for p, g in zip(pixels, grids, strict=True)])
         embeds = self.visual.forward_embedded(hidden, tuple(grids))
         del hidden
         unit = self.config.vision.spatial_merge_size**2
@@ -184,6 +173,31 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         # R3: separate storage per image, so each is freed once its own prefill used it
         # (views would keep the whole batch's buffer alive until the last one goes).
         return [out.clone() for out in outs]
+
+    def embed_patches(self, pixels: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        """One resized uint8 image [h, w, 3] -> its patch embeddings [t*h*w, vision hidden].
+        Patches are embedded piece by piece: float patches are 8x the uint8 pixels
+        (float32, temporal duplication), ~100 MB for one 2048px image; the embeddings are a
+        tenth of that."""
+        return torch.cat([
+            self.visual.patch_embed(chunk)
+            for chunk in pixels_to_patch_chunks(
+                pixels.to(self.device, non_blocking=True), grid, self.config.image, PATCH_CHUNK)
+        ])
+
+    @property
+    def num_vision_stages(self) -> int:
+        return len(self.visual.stages)
+
+    def encode_stage(
+        self, hidden: torch.Tensor, grid: tuple[int, int, int], stage: int
+    ) -> torch.Tensor:
+        """One stage of one image's vision tower (`visual.stages`): patch embeddings or the
+        previous stage's output in; the next hidden states out, or, after the last stage,
+        the merged embeddings [t*h*w / merge^2, hidden]."""
+        first, end = self.visual.stages[stage]
+        hidden = self.visual.run_blocks(hidden, (grid,), first, end)
+        return self.visual.merger(hidden) if stage == self.num_vision_stages - 1 else hidden
 
     @torch.no_grad()
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

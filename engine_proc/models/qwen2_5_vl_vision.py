@@ -270,8 +270,22 @@ class Qwen2_5_VisionTransformer(nn.Module):
     def forward_embedded(self, x: torch.Tensor, grids: Grids) -> torch.Tensor:
         """`forward` from the patch embeddings [N, hidden] on (see `encode_images`, which
         embeds large images piece by piece)."""
+        return self.merger(self.run_blocks(x, grids, 0, len(self.blocks)))
+
+    @property
+    def stages(self) -> list[tuple[int, int]]:
+        """The tower cut into (first, end) block ranges that each end with a
+        full-attention block (the last one with the last block): the pieces a large
+        image is encoded in over several steps. A full-attention block costs the square of
+        the image's patches, a windowed one a multiple of them, so the stages cost about
+        the same: 2 for the tiny model, 4 for Qwen2.5-VL 3B/7B (32 blocks)."""
+        ends = sorted({i + 1 for i in self.fullatt if i < len(self.blocks)} | {len(self.blocks)})
+        return list(zip([0, *ends[:-1]], ends, strict=True))
+
+    def run_blocks(self, x: torch.Tensor, grids: Grids, first: int, end: int) -> torch.Tensor:
+        """Blocks [first, end) over hidden states [N, hidden] of the images in `grids`."""
         layout = self.layout(tuple(tuple(int(v) for v in g) for g in grids), x.dtype)
         cos, sin = self.rotary(layout.pos_hw)
-        for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, layout, windowed=i not in self.fullatt)
-        return self.merger(x)
+        for i in range(first, end):
+            x = self.blocks[i](x, cos, sin, layout, windowed=i not in self.fullatt)
+        return x

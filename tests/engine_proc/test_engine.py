@@ -277,3 +277,32 @@ def test_kv_cache_sizing(tiny_model_path):
     assert engine.model_runner.kv_block_bytes == 32768
     assert engine.stats().num_kv_blocks_total == 32
     assert engine.model_runner.kv_cache.shape == (2, 4, 32, 16, 2, 32)
+
+
+def test_an_image_over_the_encoder_budget_is_encoded_in_stages(tiny_model_path, config, reference):
+    # a 16-patch budget: the 168x224 image (192 patches) runs through the tower's two stages
+    # in two steps of its own before its chunk; the tokens are the same
+    engine = make_engine(tiny_model_path, max_num_encoder_patches=16, max_num_seqs=4)
+    assert engine.model_runner.model.num_vision_stages == 2
+    segments = [5, (168, 224), 7]
+    requests = [make_request(config, "big", segments), make_request(config, "text", TEXT, 1)]
+    out = run(engine, requests)
+    assert out["big"] == reference.greedy(config, segments)
+    assert out["text"] == reference.greedy(config, TEXT, 1)
+
+
+def test_a_failing_stage_fails_its_request(tiny_model_path, config, reference):
+    engine = make_engine(tiny_model_path, max_num_encoder_patches=16)
+    model = engine.model_runner.model
+    original = model.encode_stage
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("stage exploded")
+
+    model.encode_stage = broken
+    engine.add_request(make_request(config, "img", [(168, 224), 3]))  # no text before it
+    outputs = engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("img", "error")]
+    assert "exploded" in outputs[0].error
+    assert engine.stats().mm_bytes_held == 0 and not engine.has_unfinished_requests()
+    model.encode_stage = original

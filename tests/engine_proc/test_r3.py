@@ -80,6 +80,31 @@ def test_embeddings_die_right_after_the_last_chunk_covering_the_image(tiny_model
         engine.step()
 
 
+def test_an_image_encoded_in_stages_holds_one_thing_at_a_time(tiny_model_path, config):
+    # a 16-patch budget: the 168x224 image (192 patches) runs one tower stage per step
+    engine = make_engine(tiny_model_path, max_num_encoder_patches=16)
+    pixel_refs = hand_over(engine, image_request(config, "a", [(168, 224)]))
+    image = engine.seqs["a"].images[0]
+    engine.step()  # the text before the image, and the first stage
+    assert pixel_refs[0]() is None, "pixels outlived the stage that consumed them"
+    hidden_ref = weakref.ref(image.hidden)
+    assert engine.stats().mm_bytes_held == image.hidden.numel() * 4
+    engine.step()  # the last stage
+    assert hidden_ref() is None and image.embeds is not None
+    embeds_ref = weakref.ref(image.embeds)
+    engine.step()  # the chunk that consumes the embeddings
+    assert embeds_ref() is None and image.released
+    assert engine.stats().mm_bytes_held == 0
+    hidden_ref = None
+    other = hand_over(engine, image_request(config, "b", [(168, 224)], seed=1))
+    engine.step()
+    hidden_ref = weakref.ref(engine.seqs["b"].images[0].hidden)
+    assert engine.abort_request("b")
+    assert other[0]() is None and hidden_ref() is None and engine.stats().mm_bytes_held == 0
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 def test_abort_frees_everything(tiny_model_path, config):
     engine = make_engine(tiny_model_path, max_num_batched_tokens=16, max_num_seqs=2)
     running = hand_over(engine, image_request(config, "run", [(168, 224)]))

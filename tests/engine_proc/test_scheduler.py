@@ -51,6 +51,18 @@ def step(sched: Scheduler, token: int = TOKEN):
         assert n >= 1
         # the cache holds a slot for every token this step writes
         assert len(seq.block_table) * sched.block_manager.block_size >= seq.num_computed_tokens + n
+    if (image := batch.encoder_stage) is not None:  # what the model runner does
+        assert image.embeds is None and not any(
+            image.offset < s.num_computed_tokens + n and image.end > s.num_computed_tokens
+            for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
+            if any(i is image for i in s.images)
+        ), "a chunk reaches an image still being encoded"
+        image.pixels = None
+        image.stages_done += 1
+        if image.stages_done == sched.num_encoder_stages:
+            image.hidden, image.embeds = None, np.zeros((image.length, 4))
+        else:
+            image.hidden = np.zeros(4)
     out = sched.postprocess(batch, [token] * sampled_count(batch))
     return batch, out
 
@@ -278,3 +290,42 @@ def test_an_image_larger_than_the_encoder_budget_runs_alone():
     assert batch.seqs == big and batch.num_new_tokens == [1, 5]
     run_all(sched)
     assert all(seq.is_finished for seq in big)
+
+
+def test_an_image_over_the_budget_is_encoded_in_stages_ahead_of_its_chunk():
+    # 4-patch images, a 2-patch budget, a tower in 2 stages
+    sched = make_scheduler(max_num_batched_tokens=64, max_num_encoder_patches=2,
+                           num_encoder_stages=2)
+    a, b = make_seq(6, images=[(1, 1)]), make_seq(6, images=[(1, 1)])
+    sched.add(a)
+    sched.add(b)
+    batch, _ = step(sched)  # both prefill up to their image; a's first stage runs
+    assert batch.num_new_tokens == [1, 1] and batch.encoder_stage is a.images[0]
+    assert a.images[0].pixels is None and a.images[0].hidden is not None
+    batch, _ = step(sched)  # a's last stage, alone: no chunk may reach the image yet
+    assert not batch.seqs and batch.encoder_stage is a.images[0]
+    assert a.images[0].embeds is not None
+    batch, _ = step(sched)  # a consumes its embeddings; b's first stage
+    assert batch.seqs == [a] and batch.num_new_tokens == [5]
+    assert batch.encoder_stage is b.images[0] and a.images[0].released
+    batch, _ = step(sched)  # a decodes beside b's last stage
+    assert batch.seqs == [a] and batch.num_new_tokens == [1]
+    assert batch.encoder_stage is b.images[0]
+    run_all(sched)
+    assert a.is_finished and b.is_finished and b.images[0].released
+
+
+def test_finishing_a_request_mid_stages_frees_its_image_and_moves_on():
+    sched = make_scheduler(max_num_batched_tokens=64, max_num_encoder_patches=2,
+                           num_encoder_stages=3)
+    a, b = make_seq(6, images=[(1, 1)]), make_seq(6, images=[(1, 1)])
+    sched.add(a)
+    sched.add(b)
+    step(sched)
+    assert a.images[0].hidden is not None
+    sched.finish(a, "abort")
+    assert a.images[0].released
+    batch, _ = step(sched)
+    assert batch.encoder_stage is b.images[0]
+    run_all(sched)
+    assert b.is_finished
