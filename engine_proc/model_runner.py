@@ -366,13 +366,15 @@ class ModelRunner:
         embeds = self.model.encode_images(pixels, [image.grid_thw for image in images])
         del pixels
         for image, emb in zip(images, embeds, strict=True):
-            if emb.shape[0] != image.length:
-                raise RuntimeError(
-                    f"image encoded to {emb.shape[0]} tokens, prompt has {image.length}"
-                )
             if emb.untyped_storage().nbytes() > emb.numel() * emb.element_size():
                 emb = emb.clone()  # a view would keep the whole batch's storage alive
-            image.embeds = emb
+            self._store_embeds(image, emb)
+
+    @staticmethod
+    def _store_embeds(image: ImageSpan, embeds: torch.Tensor) -> None:
+        if embeds.shape[0] != image.length:
+            raise RuntimeError(f"image encoded to {embeds.shape[0]} tokens, prompt has {image.length}")
+        image.embeds = embeds
 
     def _encode_stage(self, image: ImageSpan) -> None:
         """Run the next vision stage of an image encoded over several steps: the first one
@@ -389,10 +391,8 @@ class ModelRunner:
         image.stages_done += 1
         if image.stages_done < self.model.num_vision_stages:
             image.hidden = out
-            return
-        if out.shape[0] != image.length:
-            raise RuntimeError(f"image encoded to {out.shape[0]} tokens, prompt has {image.length}")
-        image.embeds = out
+        else:
+            self._store_embeds(image, out)
 
     def _pixels_to_device(self, pixels: np.ndarray) -> torch.Tensor:
         with warnings.catch_warnings():  # read-only arrays (zero-copy rpc frames) are fine
