@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from engine_proc.context import Context, reset_context, set_context
+from engine_proc.models.registry import model_class
 from engine_proc.sampler import Sampler, SamplingBatch
 from engine_proc.scheduler import ScheduledBatch
 from engine_proc.sequence import ImageSpan, Sequence
@@ -80,15 +81,14 @@ class ModelRunner:
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
     ):
-        from engine_proc.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
-
         self.config = config
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, config)
         warn_if_emulated(self.device, self.dtype)
         self.block_size = block_size
         self.on_cuda = self.device.type == "cuda"
-        self.model = Qwen2_5_VLForConditionalGeneration(config, self.device, self.dtype)
+        self.model = model_class(config)(config, self.device, self.dtype)
+        self.num_deepstack = len(config.vision.deepstack_visual_indexes)
         self.model.load_weights(config.path)
         self.model.eval()
         self.sampler = Sampler()
@@ -169,11 +169,14 @@ class ModelRunner:
         input_ids, positions, context, sample_rows, sample_seqs = self.prepare(batch)
         set_context(context)
         try:
-            inputs_embeds = self.embed(input_ids, batch)
-            hidden = self.model(inputs_embeds, positions)
+            inputs_embeds, deepstack = self.embed(input_ids, batch)
+            if deepstack is None:
+                hidden = self.model(inputs_embeds, positions)
+            else:
+                hidden = self.model(inputs_embeds, positions, deepstack=deepstack)
         finally:
             reset_context()
-        del inputs_embeds
+        del inputs_embeds, deepstack
         if not sample_seqs:
             return []
         if len(sample_seqs) < hidden.shape[0]:
@@ -327,16 +330,28 @@ class ModelRunner:
 
     # ---- images -----------------------------------------------------------------------
 
-    def embed(self, input_ids: torch.Tensor, batch: ScheduledBatch) -> torch.Tensor:
-        """Token embeddings with image embeddings written over the placeholder rows."""
+    def embed(
+        self, input_ids: torch.Tensor, batch: ScheduledBatch
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Token embeddings with image embeddings written over the placeholder rows, and
+        for DeepStack models (Qwen3-VL) the image rows' DeepStack features [T, k * hidden]
+        (zero on text rows), or None. An image's embeddings carry its DeepStack features
+        as extra columns, so R3 frees both at once."""
         inputs_embeds = self.model.embed_tokens(input_ids)
         pieces = self._image_pieces(batch)
         if not pieces:
-            return inputs_embeds  # text-only: no vision work at all
+            return inputs_embeds, None  # text-only: no vision work at all
         self._encode([image for image, *_ in pieces if image.embeds is None])
+        width = inputs_embeds.shape[1]
+        deepstack = None
+        if self.num_deepstack:
+            deepstack = inputs_embeds.new_zeros(inputs_embeds.shape[0], self.num_deepstack * width)
         for image, dst, src_start, src_end in pieces:
-            inputs_embeds[dst : dst + src_end - src_start] = image.embeds[src_start:src_end]
-        return inputs_embeds
+            rows = image.embeds[src_start:src_end]
+            inputs_embeds[dst : dst + src_end - src_start] = rows[:, :width]
+            if deepstack is not None:
+                deepstack[dst : dst + src_end - src_start] = rows[:, width:]
+        return inputs_embeds, deepstack
 
     @staticmethod
     def _image_pieces(batch: ScheduledBatch) -> list[tuple[ImageSpan, int, int, int]]:

@@ -1,4 +1,8 @@
-"""Qwen2.5-VL checkpoint settings, read from a local folder in either config layout.
+"""Checkpoint settings of the supported vision-language families (Qwen2-VL, Qwen2.5-VL,
+Qwen3-VL dense and MoE), read from a local folder in either config layout.
+
+The family comes from config.json's `architectures` (else its `model_type`); anything
+else fails here, by name, with the list of supported architectures.
 
 Published checkpoints write config.json flat (text settings at the top level, `rope_theta`,
 `rope_scaling: {type: mrope, mrope_section}`) and preprocessor_config.json with
@@ -11,6 +15,19 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+# architecture (config.json "architectures") -> model_type, for the families served here
+ARCHITECTURES = {
+    "Qwen2VLForConditionalGeneration": "qwen2_vl",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    "Qwen3VLForConditionalGeneration": "qwen3_vl",
+    "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
+}
+_BY_MODEL_TYPE = {model_type: arch for arch, model_type in ARCHITECTURES.items()}
+
+
+class UnsupportedModelError(ValueError):
+    """The folder holds an architecture flatserve does not implement."""
 
 
 @dataclass(frozen=True)
@@ -28,6 +45,8 @@ class VisionConfig:
     in_channels: int = 3
     hidden_act: str = "silu"
     rms_norm_eps: float = 1e-6
+    num_position_embeddings: int = 0  # Qwen3-VL: learned position table (a square grid)
+    deepstack_visual_indexes: tuple[int, ...] = ()  # Qwen3-VL: blocks feeding DeepStack
 
     @property
     def head_dim(self) -> int:
@@ -49,6 +68,20 @@ class TextConfig:
     tie_word_embeddings: bool
     hidden_act: str = "silu"
     head_dim: int = 0  # 0: hidden_size // num_attention_heads
+    attention_bias: bool = True  # q/k/v biases (Qwen2); Qwen3 has none
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k
+    mrope_interleaved: bool = False  # Qwen3-VL: t/h/w rotary frequencies interleaved
+    # Qwen3-VL-MoE: sparse MoE blocks (num_experts 0: dense MLPs everywhere)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def is_moe_layer(self, index: int) -> bool:
+        return (self.num_experts > 0 and index not in self.mlp_only_layers
+                and (index + 1) % self.decoder_sparse_step == 0)
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
@@ -77,6 +110,7 @@ class ImageProcessorConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     path: str
+    architecture: str  # a key of ARCHITECTURES
     text: TextConfig
     vision: VisionConfig
     image: ImageProcessorConfig
@@ -86,6 +120,10 @@ class ModelConfig:
     vision_end_token_id: int
     eos_token_ids: tuple[int, ...]
     torch_dtype: str = "float32"
+
+    @property
+    def model_type(self) -> str:
+        return ARCHITECTURES[self.architecture]
 
 
 def _text_section(cfg: dict) -> dict:
@@ -97,14 +135,67 @@ def _text_section(cfg: dict) -> dict:
     return cfg
 
 
-def _rope(text: dict) -> tuple[float, tuple[int, int, int]]:
+def _architecture(cfg: dict) -> str:
+    names = list(cfg.get("architectures") or [])
+    for name in names:
+        if name in ARCHITECTURES:
+            return name
+    model_type = cfg.get("model_type")
+    if not names and model_type in _BY_MODEL_TYPE:
+        return _BY_MODEL_TYPE[model_type]
+    found = names[0] if names else f"model_type {model_type!r}"
+    raise UnsupportedModelError(
+        f"unsupported architecture {found}; flatserve serves {', '.join(ARCHITECTURES)}")
+
+
+def _rope(text: dict) -> tuple[float, tuple[int, int, int], bool]:
     params = text.get("rope_parameters") or {}
     scaling = text.get("rope_scaling") or {}
     theta = params.get("rope_theta", text.get("rope_theta", 1000000.0))
     section = params.get("mrope_section") or scaling.get("mrope_section")
     if section is None:
         raise ValueError("config has no mrope_section (rope_scaling or rope_parameters)")
-    return float(theta), tuple(int(s) for s in section)
+    interleaved = bool(params.get("mrope_interleaved", scaling.get("mrope_interleaved", False)))
+    return float(theta), tuple(int(s) for s in section), interleaved
+
+
+def _vision(v: dict, model_type: str, text_hidden: int) -> VisionConfig:
+    if model_type == "qwen2_vl":  # embed_dim is the tower's width, hidden_size its output
+        width = int(v.get("embed_dim", 1280))
+        return VisionConfig(
+            depth=int(v["depth"]),
+            hidden_size=width,
+            intermediate_size=width * int(v.get("mlp_ratio", 4)),
+            num_heads=int(v["num_heads"]),
+            out_hidden_size=int(v.get("hidden_size", text_hidden)),
+            patch_size=int(v.get("patch_size", 14)),
+            spatial_merge_size=int(v.get("spatial_merge_size", 2)),
+            temporal_patch_size=int(v.get("temporal_patch_size", 2)),
+            window_size=0,
+            fullatt_block_indexes=tuple(range(int(v["depth"]))),
+            in_channels=int(v.get("in_channels", v.get("in_chans", 3))),
+            hidden_act=v.get("hidden_act", "quick_gelu"),
+        )
+    qwen3 = model_type.startswith("qwen3")
+    depth = int(v["depth"])
+    return VisionConfig(
+        depth=depth,
+        hidden_size=int(v["hidden_size"]),
+        intermediate_size=int(v["intermediate_size"]),
+        num_heads=int(v["num_heads"]),
+        out_hidden_size=int(v.get("out_hidden_size", text_hidden)),
+        patch_size=int(v.get("patch_size", 16 if qwen3 else 14)),
+        spatial_merge_size=int(v.get("spatial_merge_size", 2)),
+        temporal_patch_size=int(v.get("temporal_patch_size", 2)),
+        window_size=0 if qwen3 else int(v.get("window_size", 112)),
+        fullatt_block_indexes=(tuple(range(depth)) if qwen3 else
+                               tuple(int(i) for i in v.get("fullatt_block_indexes", ()))),
+        in_channels=int(v.get("in_channels", v.get("in_chans", 3))),
+        hidden_act=v.get("hidden_act", "gelu_pytorch_tanh" if qwen3 else "silu"),
+        num_position_embeddings=int(v.get("num_position_embeddings", 0)) if qwen3 else 0,
+        deepstack_visual_indexes=(tuple(int(i) for i in v.get("deepstack_visual_indexes", ()))
+                                  if qwen3 else ()),
+    )
 
 
 def _eos_ids(path: Path, cfg: dict, text: dict) -> tuple[int, ...]:
@@ -142,8 +233,11 @@ def load_model_config(path: str | Path) -> ModelConfig:
     if not file.exists():
         raise FileNotFoundError(f"{path} is not a model folder: no config.json")
     cfg = json.loads(file.read_text())
+    architecture = _architecture(cfg)
+    model_type = ARCHITECTURES[architecture]
+    qwen3 = model_type.startswith("qwen3")
     text = _text_section(cfg)
-    theta, section = _rope(text)
+    theta, section, interleaved = _rope(text)
     text_config = TextConfig(
         vocab_size=int(text["vocab_size"]),
         hidden_size=int(text["hidden_size"]),
@@ -158,25 +252,21 @@ def load_model_config(path: str | Path) -> ModelConfig:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
         hidden_act=text.get("hidden_act", "silu"),
         head_dim=int(text.get("head_dim") or 0),
+        attention_bias=bool(text.get("attention_bias", not qwen3)),
+        qk_norm=qwen3,
+        mrope_interleaved=interleaved,
+        num_experts=int(text.get("num_experts", 0)) if model_type == "qwen3_vl_moe" else 0,
+        num_experts_per_tok=int(text.get("num_experts_per_tok", 0)),
+        moe_intermediate_size=int(text.get("moe_intermediate_size", 0)),
+        norm_topk_prob=bool(text.get("norm_topk_prob", True)),
+        decoder_sparse_step=int(text.get("decoder_sparse_step", 1)),
+        mlp_only_layers=tuple(int(i) for i in text.get("mlp_only_layers") or ()),
     )
-    v = cfg["vision_config"]
-    vision = VisionConfig(
-        depth=int(v["depth"]),
-        hidden_size=int(v["hidden_size"]),
-        intermediate_size=int(v["intermediate_size"]),
-        num_heads=int(v["num_heads"]),
-        out_hidden_size=int(v.get("out_hidden_size", text_config.hidden_size)),
-        patch_size=int(v.get("patch_size", 14)),
-        spatial_merge_size=int(v.get("spatial_merge_size", 2)),
-        temporal_patch_size=int(v.get("temporal_patch_size", 2)),
-        window_size=int(v.get("window_size", 112)),
-        fullatt_block_indexes=tuple(int(i) for i in v.get("fullatt_block_indexes", ())),
-        in_channels=int(v.get("in_channels", v.get("in_chans", 3))),
-        hidden_act=v.get("hidden_act", "silu"),
-    )
+    vision = _vision(cfg["vision_config"], model_type, text_config.hidden_size)
     dtype = cfg.get("torch_dtype") or cfg.get("dtype") or text.get("dtype") or "float32"
     return ModelConfig(
         path=str(path),
+        architecture=architecture,
         text=text_config,
         vision=vision,
         image=_image_processor(path, vision),

@@ -81,10 +81,14 @@ class Preset:
     # checkpoint, whose bytes tests pin). False: stream normal(0, initializer_range)
     # matrices, ones for norms and zeros for biases into shards, never holding the model.
     materialize: bool = False
+    architecture: str = "Qwen2_5_VLForConditionalGeneration"  # a key of _CONFIG_BUILDERS
 
     def __post_init__(self) -> None:
         if self.dtype not in _SAFETENSORS_DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(_SAFETENSORS_DTYPES)}")
+        if not self.materialize and self.architecture != "Qwen2_5_VLForConditionalGeneration":
+            raise ValueError(f"{self.name}: only Qwen2.5-VL weights are streamed; "
+                             "set materialize=True")
 
 
 TINY = Preset(
@@ -230,7 +234,7 @@ def write_checkpoint(
     if preset.materialize:
         _save_transformers_model(folder, config, preset)
     else:
-        config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+        config.architectures = [preset.architecture]
         config.dtype = preset.dtype
         config.save_pretrained(str(folder))
         _write_streamed_weights(folder, preset, max_shard_bytes)
@@ -336,6 +340,10 @@ def _write_tokenizer_config(folder: Path, model_max_length: int) -> None:
 
 
 def _transformers_config(preset: Preset, special: dict[str, int]):
+    return _CONFIG_BUILDERS[preset.architecture](preset, special)
+
+
+def _qwen2_5_vl_config(preset: Preset, special: dict[str, int]):
     from transformers import Qwen2_5_VLConfig
 
     t, v = preset.text, preset.vision
@@ -387,14 +395,20 @@ def _transformers_config(preset: Preset, special: dict[str, int]):
     return config
 
 
+_CONFIG_BUILDERS = {
+    "Qwen2_5_VLForConditionalGeneration": _qwen2_5_vl_config,
+}
+
+
 def _save_transformers_model(folder: Path, config, preset: Preset) -> None:
     import torch
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    import transformers
 
+    model_class = getattr(transformers, preset.architecture)
     state = torch.random.get_rng_state()
     try:
         torch.manual_seed(SEED)
-        model = Qwen2_5_VLForConditionalGeneration(config).to(getattr(torch, preset.dtype)).eval()
+        model = model_class(config).to(getattr(torch, preset.dtype)).eval()
     finally:
         torch.random.set_rng_state(state)
     model.save_pretrained(str(folder), safe_serialization=True)

@@ -140,3 +140,16 @@ def test_vocabulary_must_cover_the_tokenizer(tmp_path):
     preset = replace(TINY, text=replace(TINY.text, vocab_size=1000))
     with pytest.raises(ValueError, match="vocab_size"):
         write_checkpoint(tmp_path / "m", preset)
+
+
+def test_an_unknown_architecture_fails_by_name_and_lists_the_served_ones(tmp_path):
+    import json
+
+    from shared.model_config import ARCHITECTURES, UnsupportedModelError, load_model_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlavaForCausalLM"]}))
+    with pytest.raises(UnsupportedModelError) as info:
+        load_model_config(tmp_path)
+    message = str(info.value)
+    assert "LlavaForCausalLM" in message
+    assert all(name in message for name in ARCHITECTURES)
