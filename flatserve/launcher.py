@@ -152,7 +152,10 @@ def run_server(args: argparse.Namespace) -> int:
     model, served_name = _resolve_model(args)
     # Unset, the context is the model's own capped at DEFAULT_MAX_MODEL_LEN: requests without
     # max_tokens get the rest of the context, and image requests reserve KV for all of it.
-    own = load_model_config(model).text.max_position_embeddings
+    try:
+        own = load_model_config(model).text.max_position_embeddings
+    except (OSError, ValueError, KeyError) as e:  # before any process starts: one line
+        raise SystemExit(f"flatserve serve: {model}: {e}") from None
     max_model_len = args.max_model_len or min(own, DEFAULT_MAX_MODEL_LEN)
     # --engine-addresses: engines started elsewhere (`flatserve engine`), none spawned here.
     num_spawned = 0 if args.engine_addresses else args.engines
