@@ -91,6 +91,11 @@ class VisionAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout,
                 **kwargs) -> torch.Tensor:
+        out = self.attend(self.rotated_qkv(x, cos, sin), layout, **kwargs)
+        return self.proj(out.reshape(x.shape[0], -1))
+
+    def rotated_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [N, hidden] -> q, k, v [N, 3, heads, head_dim], q and k rotated."""
         n = x.shape[0]
         qkv = self.qkv(x).view(n, 3, self.num_heads, self.head_dim)
         # Rotary in fp32 like transformers (in place when the model is fp32 already).
@@ -101,11 +106,14 @@ class VisionAttention(nn.Module):
                 qkv[:, :2].reshape(n, 2 * self.num_heads, self.head_dim).float(), cos, sin
             )
             qkv[:, :2] = qk.view(n, 2, self.num_heads, self.head_dim).to(qkv.dtype)
-        return self.proj(self.attend(qkv, layout, **kwargs).reshape(n, -1))
+        return qkv
 
     def attend(self, qkv: torch.Tensor, layout) -> torch.Tensor:
         """qkv [N, 3, heads, D] -> [N, heads, D], each image attending to itself."""
-        sizes = layout.image_sizes
+        return self._images(qkv, layout.image_sizes)
+
+    def _images(self, qkv: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+        """Full attention within each image of `sizes` patches."""
         if len(set(sizes)) == 1:  # equal sizes (one image included): one batched call
             q, k, v = qkv.view(len(sizes), sizes[0], 3, self.num_heads, self.head_dim).permute(
                 2, 0, 3, 1, 4
