@@ -13,7 +13,7 @@ from shared.model_config import TextConfig, VisionConfig
 from shared.tiny_checkpoint import TINY, TINY_QWEN2_VL, Preset
 
 # Qwen2-VL in another shape: other head counts (and GQA ratio), depths, patch and merge
-# sizes, rope sections; tied embeddings.
+# sizes, rope sections; tied embeddings. Test-only, so not in PRESETS.
 TINY_QWEN2_VL_B = Preset(
     name="tiny-qwen2-vl-b",
     text=TextConfig(
@@ -43,7 +43,7 @@ TINY_QWEN2_VL_B = Preset(
         hidden_act="quick_gelu",
     ),
     dtype="float32",
-    initializer_range=0.05,
+    initializer_range=0.07,  # at 0.05 greedy tokens repeat one id; bf16 drifts at 0.1
     materialize=True,
     architecture="Qwen2VLForConditionalGeneration",
 )
