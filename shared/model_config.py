@@ -165,7 +165,7 @@ def _vision(v: dict, model_type: str, text_hidden: int) -> VisionConfig:
         return VisionConfig(
             depth=int(v["depth"]),
             hidden_size=width,
-            intermediate_size=width * int(v.get("mlp_ratio", 4)),
+            intermediate_size=int(width * float(v.get("mlp_ratio", 4))),  # as transformers
             num_heads=int(v["num_heads"]),
             out_hidden_size=int(v.get("hidden_size", text_hidden)),
             patch_size=int(v.get("patch_size", 14)),

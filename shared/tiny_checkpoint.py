@@ -1,4 +1,4 @@
-"""Qwen2.5-VL checkpoints with random weights, generated locally and deterministically.
+"""Qwen-VL checkpoints with random weights, generated locally and deterministically.
 
 No hub download is possible where flatserve is developed and tested, so models are made
 here. A `Preset` is the data of one: the shapes `load_model_config` reads back, the weight
@@ -8,6 +8,8 @@ shipped in shared/data, the Qwen2-VL chat template and the preprocessor config.
 - `tiny`, the default model: about 5 M parameters, window attention and full-attention
   blocks in the vision tower so every code path runs. transformers builds it from a fixed
   seed; same bytes on every run for a given transformers version.
+- `tiny-qwen2-vl`: a Qwen2-VL of about the same size (full attention, LayerNorm and
+  quick-GELU in the vision tower), built by transformers from the same seed.
 - `3b`, `7b`: the real shapes of Qwen2.5-VL-3B/7B-Instruct, to measure performance at scale.
   Their weights are streamed tensor by tensor into bf16 safetensors shards with an index,
   so memory stays bounded whatever the model size (7.5 GB and 16.6 GB of disk).
@@ -174,7 +176,28 @@ QWEN2_5_VL_7B = Preset(
     dtype="bfloat16",
     initializer_range=0.02,
 )
-PRESETS = {"tiny": TINY, "3b": QWEN2_5_VL_3B, "7b": QWEN2_5_VL_7B}
+TINY_QWEN2_VL = Preset(
+    name="tiny-qwen2-vl",
+    text=replace(TINY.text, mrope_section=(8, 4, 4)),
+    vision=VisionConfig(
+        depth=4,
+        hidden_size=128,  # embed_dim
+        intermediate_size=256,  # embed_dim * mlp_ratio
+        num_heads=4,
+        out_hidden_size=256,  # the vision config's hidden_size
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        window_size=0,
+        fullatt_block_indexes=(0, 1, 2, 3),
+        hidden_act="quick_gelu",
+    ),
+    dtype="float32",
+    initializer_range=0.05,
+    materialize=True,
+    architecture="Qwen2VLForConditionalGeneration",
+)
+PRESETS = {"tiny": TINY, "tiny-qwen2-vl": TINY_QWEN2_VL, "3b": QWEN2_5_VL_3B, "7b": QWEN2_5_VL_7B}
 
 
 def default_cache_dir() -> Path:
@@ -239,7 +262,7 @@ def write_checkpoint(
         config.save_pretrained(str(folder))
         _write_streamed_weights(folder, preset, max_shard_bytes)
     (folder / "preprocessor_config.json").write_text(
-        json.dumps(PREPROCESSOR_CONFIG, indent=2) + "\n"
+        json.dumps(preprocessor_config(preset.vision), indent=2) + "\n"
     )
     generation = {
         "bos_token_id": special["<|endoftext|>"],
@@ -250,9 +273,22 @@ def write_checkpoint(
     return folder
 
 
+def preprocessor_config(vision: VisionConfig) -> dict:
+    """PREPROCESSOR_CONFIG with the tower's patch and merge sizes."""
+    return {
+        **PREPROCESSOR_CONFIG,
+        "patch_size": vision.patch_size,
+        "temporal_patch_size": vision.temporal_patch_size,
+        "merge_size": vision.spatial_merge_size,
+    }
+
+
 def weight_specs(preset: Preset) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, shape, init) of every tensor in the checkpoint, with the published names, in
-    file order. init: "normal" for matrices, "ones" for norm weights, "zeros" for biases."""
+    """(name, shape, init) of every tensor in a Qwen2.5-VL checkpoint, with the published
+    names, in file order. init: "normal" for matrices, "ones" for norm weights, "zeros" for
+    biases."""
+    if preset.architecture != "Qwen2_5_VLForConditionalGeneration":
+        raise ValueError(f"{preset.name}: weight specs are written for Qwen2.5-VL only")
     t, v = preset.text, preset.vision
     q_size, kv_size = t.num_attention_heads * t.head_dim, t.num_key_value_heads * t.head_dim
     specs = [("model.embed_tokens.weight", (t.vocab_size, t.hidden_size), "normal")]
@@ -343,30 +379,51 @@ def _transformers_config(preset: Preset, special: dict[str, int]):
     return _CONFIG_BUILDERS[preset.architecture](preset, special)
 
 
+def _text_config(t: TextConfig, special: dict[str, int]) -> dict:
+    return dict(
+        hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size,
+        num_hidden_layers=t.num_hidden_layers,
+        num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_key_value_heads,
+        max_position_embeddings=t.max_position_embeddings,
+        rms_norm_eps=t.rms_norm_eps,
+        rope_theta=t.rope_theta,
+        hidden_act=t.hidden_act,
+        vocab_size=t.vocab_size,
+        bos_token_id=special["<|endoftext|>"],
+        eos_token_id=special["<|im_end|>"],
+        rope_scaling={
+            "type": "mrope",
+            "mrope_section": list(t.mrope_section),
+            "rope_theta": t.rope_theta,
+        },
+    )
+
+
+def _token_ids(special: dict[str, int]) -> dict:
+    return dict(
+        image_token_id=special["<|image_pad|>"],
+        video_token_id=special["<|video_pad|>"],
+        vision_start_token_id=special["<|vision_start|>"],
+        vision_end_token_id=special["<|vision_end|>"],
+        bos_token_id=special["<|endoftext|>"],
+        eos_token_id=special["<|im_end|>"],
+    )
+
+
+def _with_initializer_range(config, preset: Preset):
+    config.text_config.initializer_range = preset.initializer_range
+    config.vision_config.initializer_range = preset.initializer_range
+    return config
+
+
 def _qwen2_5_vl_config(preset: Preset, special: dict[str, int]):
     from transformers import Qwen2_5_VLConfig
 
     t, v = preset.text, preset.vision
     config = Qwen2_5_VLConfig(
-        text_config=dict(
-            hidden_size=t.hidden_size,
-            intermediate_size=t.intermediate_size,
-            num_hidden_layers=t.num_hidden_layers,
-            num_attention_heads=t.num_attention_heads,
-            num_key_value_heads=t.num_key_value_heads,
-            max_position_embeddings=t.max_position_embeddings,
-            rms_norm_eps=t.rms_norm_eps,
-            rope_theta=t.rope_theta,
-            hidden_act=t.hidden_act,
-            vocab_size=t.vocab_size,
-            bos_token_id=special["<|endoftext|>"],
-            eos_token_id=special["<|im_end|>"],
-            rope_scaling={
-                "type": "mrope",
-                "mrope_section": list(t.mrope_section),
-                "rope_theta": t.rope_theta,
-            },
-        ),
+        text_config=_text_config(t, special),
         vision_config=dict(
             depth=v.depth,
             hidden_size=v.hidden_size,
@@ -381,21 +438,42 @@ def _qwen2_5_vl_config(preset: Preset, special: dict[str, int]):
             in_channels=v.in_channels,
             hidden_act=v.hidden_act,
         ),
-        image_token_id=special["<|image_pad|>"],
-        video_token_id=special["<|video_pad|>"],
-        vision_start_token_id=special["<|vision_start|>"],
-        vision_end_token_id=special["<|vision_end|>"],
-        bos_token_id=special["<|endoftext|>"],
-        eos_token_id=special["<|im_end|>"],
+        **_token_ids(special),
         tie_word_embeddings=t.tie_word_embeddings,
         initializer_range=preset.initializer_range,
     )
-    config.text_config.initializer_range = preset.initializer_range
-    config.vision_config.initializer_range = preset.initializer_range
-    return config
+    return _with_initializer_range(config, preset)
+
+
+def _qwen2_vl_config(preset: Preset, special: dict[str, int]):
+    from transformers import Qwen2VLConfig
+
+    t, v = preset.text, preset.vision
+    if v.intermediate_size % v.hidden_size:
+        raise ValueError(f"{preset.name}: Qwen2-VL's MLP width is a whole mlp_ratio of its own")
+    config = Qwen2VLConfig(
+        text_config=_text_config(t, special),
+        vision_config=dict(
+            depth=v.depth,
+            embed_dim=v.hidden_size,
+            hidden_size=v.out_hidden_size,
+            mlp_ratio=v.intermediate_size // v.hidden_size,
+            num_heads=v.num_heads,
+            patch_size=v.patch_size,
+            spatial_merge_size=v.spatial_merge_size,
+            temporal_patch_size=v.temporal_patch_size,
+            in_channels=v.in_channels,
+            hidden_act=v.hidden_act,
+        ),
+        **_token_ids(special),
+        tie_word_embeddings=t.tie_word_embeddings,
+        initializer_range=preset.initializer_range,
+    )
+    return _with_initializer_range(config, preset)
 
 
 _CONFIG_BUILDERS = {
+    "Qwen2VLForConditionalGeneration": _qwen2_vl_config,
     "Qwen2_5_VLForConditionalGeneration": _qwen2_5_vl_config,
 }
 

@@ -10,6 +10,8 @@ from shared.model_config import ARCHITECTURES, ModelConfig, UnsupportedModelErro
 
 # architecture -> (module, class); imported on first use, so an engine loads only its own
 _CLASSES = {
+    "Qwen2VLForConditionalGeneration": (
+        "engine_proc.models.qwen2_vl", "Qwen2VLForConditionalGeneration"),
     "Qwen2_5_VLForConditionalGeneration": (
         "engine_proc.models.qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
 }

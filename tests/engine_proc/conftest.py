@@ -10,8 +10,10 @@ from engine_proc.context import Context, reset_context, set_context
 from engine_proc.image_processor import pixels_to_patches
 from engine_proc.layers.attention import Attention
 from shared.model_config import ModelConfig, load_model_config
+from shared.tiny_checkpoint import ensure_checkpoint
+from tests.engine_proc.families import CASE_IDS, CASES
 
-# ---- Qwen2.5-VL model tests (test_model_*.py) ---------------------------------------------
+# ---- model tests (test_model_*.py), one run per family case (families.py) -----------------
 
 
 class PagedKV:
@@ -111,25 +113,36 @@ class PagedKV:
 
 
 class VLHarness:
-    """Our model and transformers' on the same weights, plus prompt/image helpers."""
+    """Our model and transformers' on the same weights, plus prompt/image helpers.
+    `source`: the unperturbed checkpoint the weights came from."""
 
-    def __init__(self, path: Path, model, hf):
+    def __init__(self, path: Path, model, hf, source: Path | None = None):
         self.path = path
         self.cfg: ModelConfig = load_model_config(path)
         self.model = model
         self.hf = hf
+        self.source = source
 
     def with_model(self, model, hf=None) -> VLHarness:
         """The same helpers around another model (another dtype, device or checkpoint)."""
-        return VLHarness(Path(model.config.path), model, hf if hf is not None else self.hf)
+        return VLHarness(Path(model.config.path), model, hf if hf is not None else self.hf,
+                         self.source)
+
+    def grid(self, rows: int, cols: int) -> tuple[int, int, int]:
+        """The patch grid of an image `rows` x `cols` merge units big (one merged token
+        each), whatever the family's patch and merge sizes."""
+        m = self.cfg.vision.spatial_merge_size
+        return (1, rows * m, cols * m)
 
     def prompt(self, *parts) -> tuple[list[int], list[tuple[int, int, int]]]:
-        """parts: lists of text ids and (t, h, w) grids -> (ids with vision_start, image
-        placeholders and vision_end around each image, grids)."""
+        """parts: lists of text ids, (rows, cols) images in merge units and (t, h, w) patch
+        grids -> (ids with vision_start, image placeholders and vision_end around each
+        image, grids)."""
         ids, grids = [], []
         unit = self.cfg.vision.spatial_merge_size**2
         for part in parts:
             if isinstance(part, tuple):
+                part = self.grid(*part) if len(part) == 2 else part
                 t, h, w = part
                 grids.append(part)
                 ids += [self.cfg.vision_start_token_id] + [self.cfg.image_token_id] * (
@@ -189,12 +202,17 @@ class VLHarness:
         return torch.from_numpy(pos).to(self.model.device), delta
 
 
-def _perturbed_checkpoint(src: Path, dst: Path) -> Path:
-    """The tiny checkpoint with every tensor nudged, so norms and biases are not the
-    trivial 1 / 0 of a fresh init and a mis-loaded tensor cannot go unnoticed."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
+def hf_class(architecture: str):
+    """transformers' own implementation of an architecture (the reference)."""
+    import transformers
 
-    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(src, dtype=torch.float32)
+    return getattr(transformers, architecture)
+
+
+def _perturbed_checkpoint(src: Path, dst: Path) -> Path:
+    """A tiny checkpoint with every tensor nudged, so norms and biases are not the
+    trivial 1 / 0 of a fresh init and a mis-loaded tensor cannot go unnoticed."""
+    hf = hf_class(load_model_config(src).architecture).from_pretrained(src, dtype=torch.float32)
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for p in hf.parameters():
@@ -206,23 +224,27 @@ def _perturbed_checkpoint(src: Path, dst: Path) -> Path:
     return dst
 
 
-@pytest.fixture(scope="session")
-def vl_checkpoint(tiny_model_path, tmp_path_factory) -> Path:
-    return _perturbed_checkpoint(Path(tiny_model_path), tmp_path_factory.mktemp("vl-checkpoint"))
+@pytest.fixture(scope="session", params=CASES, ids=CASE_IDS)
+def family_checkpoint(request) -> Path:
+    """The unperturbed tiny checkpoint of each family case (generated once into the cache)."""
+    return ensure_checkpoint(request.param)
 
 
 @pytest.fixture(scope="session")
-def vl(vl_checkpoint) -> VLHarness:
-    from transformers import Qwen2_5_VLForConditionalGeneration as HFModel
+def vl_checkpoint(family_checkpoint, tmp_path_factory) -> Path:
+    return _perturbed_checkpoint(family_checkpoint, tmp_path_factory.mktemp("vl-checkpoint"))
 
-    from engine_proc.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+
+@pytest.fixture(scope="session")
+def vl(vl_checkpoint, family_checkpoint) -> VLHarness:
+    from engine_proc.models.registry import model_class
 
     torch.manual_seed(0)
     cfg = load_model_config(vl_checkpoint)
-    model = Qwen2_5_VLForConditionalGeneration(cfg, torch.device("cpu"), torch.float32)
+    model = model_class(cfg)(cfg, torch.device("cpu"), torch.float32)
     model.load_weights(vl_checkpoint)
-    hf = HFModel.from_pretrained(vl_checkpoint, dtype=torch.float32).eval()
-    return VLHarness(vl_checkpoint, model, hf)
+    hf = hf_class(cfg.architecture).from_pretrained(vl_checkpoint, dtype=torch.float32).eval()
+    return VLHarness(vl_checkpoint, model, hf, family_checkpoint)
 
 
 @pytest.fixture

@@ -1,6 +1,8 @@
-"""LLMEngine end to end on the tiny checkpoint: greedy tokens identical to transformers'
-own Qwen2.5-VL `generate` (fp32, CPU) across batching, chunked prefill, abort and
-preemption; seeded sampling; request rejection."""
+"""LLMEngine end to end: greedy tokens identical to transformers' own `generate` (fp32,
+CPU) for every family case (families.py) across batching, chunked prefill, abort,
+preemption and staged encoding; on the default tiny checkpoint: seeded sampling, request
+rejection, failures, KV sizing. Images are (rows, cols) in merge units, so every family
+sees prompts of the same token counts."""
 
 from __future__ import annotations
 
@@ -14,23 +16,41 @@ from engine_proc.llm_engine import LLMEngine, RequestRejected
 from shared.messages import AddRequest, ImageInput
 from shared.model_config import load_model_config
 from shared.sampling_params import SamplingParams
+from shared.tiny_checkpoint import ensure_checkpoint
+from tests.engine_proc.conftest import hf_class
 from tests.engine_proc.engine_factory import make_engine
+from tests.engine_proc.families import CASE_IDS, CASES
 
 MAX_TOKENS = 12
 
 
+@pytest.fixture(scope="module", params=CASES, ids=CASE_IDS)
+def model_path(request):
+    """Each family case's generated checkpoint."""
+    return ensure_checkpoint(request.param)
+
+
 @pytest.fixture(scope="module")
-def config(tiny_model_path):
+def config(model_path):
+    return load_model_config(model_path)
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tiny_model_path):
     return load_model_config(tiny_model_path)
 
 
-def make_image(height: int, width: int, seed: int) -> ImageInput:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    return ImageInput(pixels, (1, height // 14, width // 14))
+def make_image(config, rows: int, cols: int, seed: int) -> ImageInput:
+    """A resized image of rows x cols merge units (one merged token each)."""
+    factor, m = config.image.factor, config.vision.spatial_merge_size
+    pixels = np.random.default_rng(seed).integers(
+        0, 256, (rows * factor, cols * factor, 3), dtype=np.uint8)
+    return ImageInput(pixels, (1, rows * m, cols * m))
 
 
 def make_prompt(config, segments: list, seed: int = 0) -> tuple[list[int], list[ImageInput]]:
-    """segments: ints (that many text tokens) and (h, w) tuples (an image of that size)."""
+    """segments: ints (that many text tokens) and (rows, cols) tuples (an image of that many
+    merge units)."""
     rng = np.random.default_rng(seed)
     ids: list[int] = []
     images: list[ImageInput] = []
@@ -38,9 +58,9 @@ def make_prompt(config, segments: list, seed: int = 0) -> tuple[list[int], list[
         if isinstance(seg, int):
             ids += rng.integers(10, 3900, seg).tolist()
         else:
-            image = make_image(*seg, seed=seed * 31 + len(images))
+            image = make_image(config, *seg, seed=seed * 31 + len(images))
             images.append(image)
-            n = image.grid_thw[1] * image.grid_thw[2] // 4
+            n = seg[0] * seg[1]
             ids += (
                 [config.vision_start_token_id]
                 + [config.image_token_id] * n
@@ -59,14 +79,13 @@ def make_request(
 
 
 class Reference:
-    """transformers' Qwen2_5_VLForConditionalGeneration on the same checkpoint."""
+    """transformers' own model of the checkpoint's architecture, on the same weights."""
 
     def __init__(self, path):
-        from transformers import AutoImageProcessor, Qwen2_5_VLForConditionalGeneration
+        from transformers import AutoImageProcessor
 
-        self.model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-            str(path), dtype=torch.float32
-        ).eval()
+        architecture = load_model_config(path).architecture
+        self.model = hf_class(architecture).from_pretrained(str(path), dtype=torch.float32).eval()
         self.processor = AutoImageProcessor.from_pretrained(str(path))
         self.image_token_id = self.model.config.image_token_id
         self.cache: dict = {}
@@ -97,13 +116,18 @@ class Reference:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_path):
+def reference(model_path):
+    return Reference(model_path)
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny_model_path):
     return Reference(tiny_model_path)
 
 
 TEXT = [17]
-ONE_IMAGE = [5, (56, 84), 9]
-TWO_IMAGES = [3, (56, 56), 4, (112, 84), 6]
+ONE_IMAGE = [5, (2, 3), 9]
+TWO_IMAGES = [3, (2, 2), 4, (4, 3), 6]
 
 
 def run(engine: LLMEngine, requests: list[AddRequest]) -> dict[str, list[int]]:
@@ -113,19 +137,19 @@ def run(engine: LLMEngine, requests: list[AddRequest]) -> dict[str, list[int]]:
 @pytest.mark.parametrize(
     "segments", [TEXT, ONE_IMAGE, TWO_IMAGES], ids=["text", "one_image", "two_images"]
 )
-def test_greedy_matches_transformers(tiny_model_path, config, reference, segments):
-    engine = make_engine(tiny_model_path)
+def test_greedy_matches_transformers(model_path, config, reference, segments):
+    engine = make_engine(model_path)
     out = run(engine, [make_request(config, "a", segments)])
     assert out["a"] == reference.greedy(config, segments)
     assert engine.stats().num_kv_blocks_free == engine.stats().num_kv_blocks_total
 
 
-def test_batch_admitted_at_different_steps(tiny_model_path, config, reference):
-    engine = make_engine(tiny_model_path)
+def test_batch_admitted_at_different_steps(model_path, config, reference):
+    engine = make_engine(model_path)
     plan = {  # step at which each request joins
         0: [("text", TEXT, 1), ("img", ONE_IMAGE, 2)],
         2: [("two", TWO_IMAGES, 3), ("text2", [30], 4)],
-        5: [("img2", [2, (84, 56), 3], 5)],
+        5: [("img2", [2, (3, 2), 3], 5)],
     }
     expected = {}
     got: dict[str, list[int]] = {}
@@ -141,20 +165,20 @@ def test_batch_admitted_at_different_steps(tiny_model_path, config, reference):
     assert got == expected
 
 
-def test_chunked_prefill_splits_image_placeholders(tiny_model_path, config, reference):
+def test_chunked_prefill_splits_image_placeholders(model_path, config, reference):
     # 16-token budget: the 48 placeholders of the big image (tokens 6..53) span four chunks,
     # the first and last partial; the small request's image is split too
-    engine = make_engine(tiny_model_path, max_num_batched_tokens=16, max_num_seqs=4)
-    segments = [5, (168, 224), 7]
-    other = [3, (56, 84), 20]
+    engine = make_engine(model_path, max_num_batched_tokens=16, max_num_seqs=4)
+    segments = [5, (6, 8), 7]
+    other = [3, (2, 3), 20]
     requests = [make_request(config, "big", segments), make_request(config, "small", other, 1)]
     out = run(engine, requests)
     assert out["big"] == reference.greedy(config, segments)
     assert out["small"] == reference.greedy(config, other, 1)
 
 
-def test_abort_mid_decode(tiny_model_path, config, reference):
-    engine = make_engine(tiny_model_path)
+def test_abort_mid_decode(model_path, config, reference):
+    engine = make_engine(model_path)
     for rid, segments, seed in (("a", TEXT, 1), ("b", ONE_IMAGE, 2), ("c", TWO_IMAGES, 3)):
         engine.add_request(
             make_request(config, rid, segments, seed, max_tokens=20, ignore_eos=True)
@@ -181,14 +205,14 @@ def test_abort_mid_decode(tiny_model_path, config, reference):
     assert stats.num_kv_blocks_free == stats.num_kv_blocks_total and stats.mm_bytes_held == 0
 
 
-def test_preemption_under_tiny_kv_cache(tiny_model_path, config, reference):
+def test_preemption_under_tiny_kv_cache(model_path, config, reference):
     # 14 blocks of 4 tokens for a mix whose greedy outputs would need far more at once
-    engine = make_engine(tiny_model_path, num_kv_blocks=14, block_size=4, max_num_batched_tokens=64)
+    engine = make_engine(model_path, num_kv_blocks=14, block_size=4, max_num_batched_tokens=64)
     cases = {
         "t1": ([9], 1),
         "t2": ([13], 2),
         "t3": ([6], 3),
-        "img": ([2, (56, 56), 3], 4),
+        "img": ([2, (2, 2), 3], 4),
         "t4": ([11], 5),
     }
     out = run(engine, [make_request(config, rid, seg, seed) for rid, (seg, seed) in cases.items()])
@@ -198,29 +222,29 @@ def test_preemption_under_tiny_kv_cache(tiny_model_path, config, reference):
     assert engine.stats().num_kv_blocks_free == 14
 
 
-def test_seeded_sampling_is_reproducible(tiny_model_path, config):
+def test_seeded_sampling_is_reproducible(tiny_model_path, tiny_config):
     sampled = dict(temperature=1.0, top_p=0.9, top_k=50, max_tokens=16, ignore_eos=True)
     engine = make_engine(tiny_model_path)
-    first = run(engine, [make_request(config, "s", ONE_IMAGE, 0, seed=1234, **sampled)])["s"]
+    first = run(engine, [make_request(tiny_config, "s", ONE_IMAGE, 0, seed=1234, **sampled)])["s"]
     # same seed, now next to other requests (seeded and not): same tokens
     batch = [
-        make_request(config, "x", TEXT, 5, **sampled),
-        make_request(config, "s", ONE_IMAGE, 0, seed=1234, **sampled),
-        make_request(config, "y", TEXT, 6, seed=7, **sampled),
+        make_request(tiny_config, "x", TEXT, 5, **sampled),
+        make_request(tiny_config, "s", ONE_IMAGE, 0, seed=1234, **sampled),
+        make_request(tiny_config, "y", TEXT, 6, seed=7, **sampled),
     ]
     again = run(engine, batch)["s"]
-    other = run(engine, [make_request(config, "s", ONE_IMAGE, 0, seed=99, **sampled)])["s"]
+    other = run(engine, [make_request(tiny_config, "s", ONE_IMAGE, 0, seed=99, **sampled)])["s"]
     assert first == again
     assert first != other
 
 
-def test_rejections(tiny_model_path, config):
+def test_rejections(tiny_model_path, tiny_config):
     engine = make_engine(tiny_model_path, max_model_len=64, max_waiting=2, num_kv_blocks=3)
     with pytest.raises(RequestRejected, match="max_model_len"):
-        engine.add_request(make_request(config, "long", [64]))
+        engine.add_request(make_request(tiny_config, "long", [64]))
     with pytest.raises(RequestRejected, match="KV cache"):
-        engine.add_request(make_request(config, "big", [60], max_tokens=200))
-    ids, images = make_prompt(config, ONE_IMAGE)
+        engine.add_request(make_request(tiny_config, "big", [60], max_tokens=200))
+    ids, images = make_prompt(tiny_config, ONE_IMAGE)
     with pytest.raises(RequestRejected, match="no images"):
         engine.add_request(AddRequest("noimg", ids, SamplingParams()))
     bad = ImageInput(images[0].pixels, (1, 2, 2))
@@ -230,12 +254,12 @@ def test_rejections(tiny_model_path, config):
         engine.add_request(AddRequest("count", ids[:6] + ids[7:], SamplingParams(), images))
     with pytest.raises(RequestRejected, match="vocabulary"):
         engine.add_request(AddRequest("vocab", [10**6], SamplingParams()))
-    engine.add_request(make_request(config, "q1", TEXT))
+    engine.add_request(make_request(tiny_config, "q1", TEXT))
     with pytest.raises(RequestRejected, match="already running"):
-        engine.add_request(make_request(config, "q1", TEXT))
-    engine.add_request(make_request(config, "q2", TEXT))
+        engine.add_request(make_request(tiny_config, "q1", TEXT))
+    engine.add_request(make_request(tiny_config, "q2", TEXT))
     with pytest.raises(RequestRejected, match="queue is full"):
-        engine.add_request(make_request(config, "q3", TEXT))
+        engine.add_request(make_request(tiny_config, "q3", TEXT))
     assert engine.stats().num_waiting == 2
     out = engine.generate([])
     assert out == {}
@@ -244,7 +268,7 @@ def test_rejections(tiny_model_path, config):
 
 
 def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(
-    tiny_model_path, config, reference
+    tiny_model_path, tiny_config, tiny_reference
 ):
     engine = make_engine(tiny_model_path)
     model = engine.model_runner.model
@@ -254,7 +278,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(
         raise RuntimeError("vision tower exploded")
 
     model.encode_images = broken
-    request = make_request(config, "img", ONE_IMAGE)
+    request = make_request(tiny_config, "img", ONE_IMAGE)
     pixels_ref = weakref.ref(request.images[0].pixels)
     engine.add_request(request)
     del request
@@ -264,8 +288,8 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(
     assert "exploded" in outputs[0].error
     assert engine.stats().mm_bytes_held == 0 and not engine.has_unfinished_requests()
     model.encode_images = original
-    out = run(engine, [make_request(config, "img", ONE_IMAGE)])
-    assert out["img"] == reference.greedy(config, ONE_IMAGE)
+    out = run(engine, [make_request(tiny_config, "img", ONE_IMAGE)])
+    assert out["img"] == tiny_reference.greedy(tiny_config, ONE_IMAGE)
 
 
 def test_kv_cache_sizing(tiny_model_path):
@@ -279,19 +303,20 @@ def test_kv_cache_sizing(tiny_model_path):
     assert engine.model_runner.kv_cache.shape == (2, 4, 32, 16, 2, 32)
 
 
-def test_an_image_over_the_encoder_budget_is_encoded_in_stages(tiny_model_path, config, reference):
-    # a 16-patch budget: the 168x224 image (192 patches) runs through the tower's two stages
-    # in two steps of its own before its chunk; the tokens are the same
-    engine = make_engine(tiny_model_path, max_num_encoder_patches=16, max_num_seqs=4)
-    assert engine.model_runner.model.num_vision_stages == 2
-    segments = [5, (168, 224), 7]
+def test_an_image_over_the_encoder_budget_is_encoded_in_stages(model_path, config, reference):
+    # a 16-patch budget: the 6x8-unit image runs through the tower's stages (two for
+    # Qwen2.5-VL's, four for a full-attention tower) in steps of its own before its chunk;
+    # the tokens are the same
+    engine = make_engine(model_path, max_num_encoder_patches=16, max_num_seqs=4)
+    assert engine.model_runner.model.num_vision_stages >= 2
+    segments = [5, (6, 8), 7]
     requests = [make_request(config, "big", segments), make_request(config, "text", TEXT, 1)]
     out = run(engine, requests)
     assert out["big"] == reference.greedy(config, segments)
     assert out["text"] == reference.greedy(config, TEXT, 1)
 
 
-def test_a_failing_stage_fails_its_request(tiny_model_path, config, reference):
+def test_a_failing_stage_fails_its_request(tiny_model_path, tiny_config, tiny_reference):
     engine = make_engine(tiny_model_path, max_num_encoder_patches=16)
     model = engine.model_runner.model
     original = model.encode_stage
@@ -300,7 +325,7 @@ def test_a_failing_stage_fails_its_request(tiny_model_path, config, reference):
         raise RuntimeError("stage exploded")
 
     model.encode_stage = broken
-    engine.add_request(make_request(config, "img", [(168, 224), 3]))  # no text before it
+    engine.add_request(make_request(tiny_config, "img", [(6, 8), 3]))  # no text before it
     outputs = engine.step()
     assert [(o.request_id, o.finish_reason) for o in outputs] == [("img", "error")]
     assert "exploded" in outputs[0].error

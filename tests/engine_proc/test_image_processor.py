@@ -12,7 +12,9 @@ from transformers import Qwen2VLImageProcessorPil
 
 from engine_proc.image_processor import pixels_to_patch_chunks, pixels_to_patches
 from shared.image_resize import resize_image, smart_resize
-from shared.model_config import ImageProcessorConfig
+from shared.model_config import ImageProcessorConfig, load_model_config
+from shared.tiny_checkpoint import ensure_checkpoint
+from tests.engine_proc.families import CASE_IDS, CASES
 
 CFG = ImageProcessorConfig(
     min_pixels=56 * 56,
@@ -37,8 +39,8 @@ def _image(rng, width, height, mode):
     return Image.fromarray(data[..., 0] if bands == 1 else data, mode)
 
 
-def _assert_matches_hf(img, cfg):
-    hf = Qwen2VLImageProcessorPil(
+def _assert_matches_hf(img, cfg, hf=None):
+    hf = hf or Qwen2VLImageProcessorPil(
         min_pixels=cfg.min_pixels,
         max_pixels=cfg.max_pixels,
         patch_size=cfg.patch_size,
@@ -82,6 +84,19 @@ def test_pixel_bounds_equal_hf(rng, min_pixels, max_pixels):
     cfg = dataclasses.replace(CFG, min_pixels=min_pixels, max_pixels=max_pixels)
     for width, height in ((300, 200), (50, 70), (1000, 900)):
         _assert_matches_hf(_image(rng, width, height, "RGB"), cfg)
+
+
+@pytest.mark.parametrize("preset", CASES, ids=CASE_IDS)
+def test_each_family_checkpoint_equals_its_hf_processor(rng, preset):
+    """The processor transformers loads from each family's checkpoint folder (its
+    preprocessor_config.json, patch and merge sizes included) against ours from the same
+    folder."""
+    path = ensure_checkpoint(preset)
+    cfg = load_model_config(path).image
+    hf = Qwen2VLImageProcessorPil.from_pretrained(path)
+    assert (hf.patch_size, hf.merge_size) == (cfg.patch_size, cfg.merge_size)
+    for width, height, mode in ((448, 448, "RGB"), (517, 333, "RGBA"), (57, 29, "L")):
+        _assert_matches_hf(_image(rng, width, height, mode), cfg, hf)
 
 
 def test_smart_resize_keeps_factor_and_bounds():

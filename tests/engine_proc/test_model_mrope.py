@@ -1,4 +1,5 @@
-"""mRoPE positions against transformers' get_rope_index."""
+"""mRoPE positions against transformers' get_rope_index, for every family case (images in
+merge units)."""
 
 from __future__ import annotations
 
@@ -27,12 +28,12 @@ def _hf(vl, ids, grids):
 
 
 LAYOUTS = [
-    ([5, 6, 7], (1, 8, 8), [8, 9]),
-    ((1, 4, 12), [8, 9, 10]),  # image first
-    ([5, 6], (1, 14, 6)),  # image last, taller than wide
-    ([5], (1, 6, 10), [7, 8, 9], (1, 4, 4), [10, 11]),  # two images
-    ([5], (1, 4, 4), (1, 8, 4), [6]),  # two images back to back
-    ([5], (1, 2, 2), [6]),  # one merged token
+    ([5, 6, 7], (4, 4), [8, 9]),
+    ((2, 6), [8, 9, 10]),  # image first
+    ([5, 6], (7, 3)),  # image last, taller than wide
+    ([5], (3, 5), [7, 8, 9], (2, 2), [10, 11]),  # two images
+    ([5], (2, 2), (4, 2), [6]),  # two images back to back
+    ([5], (1, 1), [6]),  # one merged token
 ]
 
 
@@ -47,7 +48,7 @@ def test_positions_match_hf_get_rope_index(vl, layout):
 
 
 def test_decode_positions_continue_with_delta(vl):
-    ids, grids = vl.prompt([5, 6], (1, 8, 12), [7])
+    ids, grids = vl.prompt([5, 6], (4, 6), [7])
     _, delta = _ours(vl, ids, grids)
     longer = ids + [20, 21, 22]
     full, _ = _hf(vl, longer, grids)
@@ -65,8 +66,8 @@ def test_text_only_is_arange(vl):
 
 
 def test_mismatched_grids_are_refused(vl):
-    ids, grids = vl.prompt([5], (1, 4, 4), [6])
+    ids, grids = vl.prompt([5], (2, 2), [6])
     with pytest.raises(ValueError, match="grids"):
-        _ours(vl, ids, grids + [(1, 4, 4)])
+        _ours(vl, ids, grids + [vl.grid(2, 2)])
     with pytest.raises(ValueError, match="placeholder"):
-        _ours(vl, ids, [(1, 8, 8)])
+        _ours(vl, ids, [vl.grid(4, 4)])

@@ -1,4 +1,5 @@
-"""The vision tower against transformers' `model.visual` on the same weights."""
+"""The vision tower against transformers' `model.visual` on the same weights, for every
+family case; grids are written in merge units (`vl.grid`)."""
 
 from __future__ import annotations
 
@@ -9,65 +10,70 @@ from transformers.vision_utils import get_vision_window_index
 
 from engine_proc.image_processor import pixels_to_patches
 from engine_proc.models.qwen2_5_vl_vision import _host_layout
+from engine_proc.models.vision_tower import stage_bounds
 
 
 def _patches(vl, grids, seed=0):
+    grids = [vl.grid(*g) if len(g) == 2 else g for g in grids]
     images = [vl.pixels(g, seed=seed + i) for i, g in enumerate(grids)]
     patches = torch.cat(
         [pixels_to_patches(px, g, vl.cfg.image) for px, g in zip(images, grids, strict=True)]
     )
-    return images, patches
+    return images, patches, grids
 
 
 @pytest.mark.parametrize(
     "grids",
     [
-        [(1, 8, 8)],  # exactly one window
-        [(1, 16, 24)],  # whole windows only: no mask
-        [(1, 10, 14)],  # partial edge windows
-        [(1, 2, 40)],  # one row of merge units
-        [(1, 6, 6), (1, 6, 6)],  # equal sizes: batched full attention
-        [(1, 8, 12), (1, 14, 6), (1, 4, 4)],  # different sizes
+        [(4, 4)],  # exactly one window (Qwen2.5-VL)
+        [(8, 12)],  # whole windows only: no mask
+        [(5, 7)],  # partial edge windows
+        [(1, 20)],  # one row of merge units
+        [(3, 3), (3, 3)],  # equal sizes: batched full attention
+        [(4, 6), (7, 3), (2, 2)],  # different sizes
     ],
 )
 def test_vision_tower_matches_hf(vl, grids):
-    images, patches = _patches(vl, grids)
+    images, patches, grids = _patches(vl, grids)
     with torch.no_grad():
         expected = vl.hf.model.visual(patches, grid_thw=torch.tensor(grids)).pooler_output
     ours = vl.model.visual(patches, tuple(grids))
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
     split = vl.model.encode_images(images, grids)
-    assert [e.shape[0] for e in split] == [t * h * w // 4 for t, h, w in grids]
+    unit = vl.cfg.vision.spatial_merge_size**2
+    assert [e.shape[0] for e in split] == [t * h * w // unit for t, h, w in grids]
     torch.testing.assert_close(torch.cat(split), ours)
 
 
 def test_encode_images_embeds_large_images_piece_by_piece(vl, monkeypatch):
-    import engine_proc.models.qwen2_5_vl as qwen
+    import engine_proc.models.qwen_vl as qwen
 
-    grids = [(1, 16, 24), (1, 10, 14)]
-    images, patches = _patches(vl, grids)
+    images, patches, grids = _patches(vl, [(8, 12), (5, 7)])
     ours = vl.model.visual(patches, tuple(grids))
-    monkeypatch.setattr(qwen, "PATCH_CHUNK", 48)  # two merge-unit rows of the first image
+    chunk = 2 * grids[0][2] * vl.cfg.vision.spatial_merge_size
+    monkeypatch.setattr(qwen, "PATCH_CHUNK", chunk)  # two merge-unit rows of the first image
     pieces = []
     embed = vl.model.visual.patch_embed.forward
     monkeypatch.setattr(vl.model.visual.patch_embed, "forward",
                         lambda x: pieces.append(len(x)) or embed(x))
     split = vl.model.encode_images(images, grids)
-    assert max(pieces) <= 48 and sum(pieces) == len(patches)
+    assert max(pieces) <= chunk and sum(pieces) == len(patches)
     torch.testing.assert_close(torch.cat(split), ours, atol=1e-5, rtol=1e-5)
 
 
 def test_encode_images_gives_each_image_its_own_storage(vl):
-    grids = [(1, 4, 4), (1, 4, 8)]
-    images, _ = _patches(vl, grids)
+    images, _, grids = _patches(vl, [(2, 2), (2, 4)])
     embeds = vl.model.encode_images(images, grids)
     for e in embeds:
         assert e.untyped_storage().nbytes() == e.numel() * e.element_size()
     assert vl.model.encode_images([], []) == []
 
 
-@pytest.mark.parametrize("grids", [[(1, 10, 14)], [(1, 16, 16), (1, 2, 6), (1, 22, 8)]])
+@pytest.mark.parametrize("grids", [[(5, 7)], [(8, 8), (1, 3), (11, 4)]])
 def test_windows_hold_the_same_patches_as_hf(vl, grids):
+    if not vl.cfg.vision.window_size:
+        pytest.skip("no window attention in this family")
+    grids = [vl.grid(*g) for g in grids]
     merge, vcfg = vl.cfg.vision.spatial_merge_size, vl.cfg.vision
     units = vcfg.window_size // merge // vcfg.patch_size
     layout = _host_layout(tuple(grids), merge, units)
@@ -94,9 +100,35 @@ def test_windows_hold_the_same_patches_as_hf(vl, grids):
 def test_rotary_table_grows_for_long_grids(vl):
     rotary = vl.model.visual.rotary
     rotary._build(16)  # as if built for small images; grows on demand
-    grid = (1, 4, 40)
-    images, patches = _patches(vl, [grid])
+    images, patches, (grid,) = _patches(vl, [(2, 20)])
     with torch.no_grad():
         expected = vl.hf.model.visual(patches, grid_thw=torch.tensor([grid])).pooler_output
     torch.testing.assert_close(vl.model.visual(patches, (grid,)), expected, atol=1e-4, rtol=1e-4)
-    assert rotary.max_side >= 40
+    assert rotary.max_side >= grid[2]
+
+
+def test_stages_run_the_whole_tower(vl):
+    """A large image encoded stage by stage (`encode_stage`, as the runner does over several
+    steps) gives the embeddings of one pass."""
+    images, _, (grid,) = _patches(vl, [(6, 8)])
+    whole = vl.model.encode_images(images, [grid])[0]
+    stages = vl.model.visual.stages
+    assert vl.model.num_vision_stages == len(stages) >= 2
+    assert [a for a, _ in stages[1:]] == [b for _, b in stages[:-1]]
+    assert stages[0][0] == 0 and stages[-1][1] == vl.cfg.vision.depth
+    with torch.no_grad():
+        hidden = vl.model.embed_patches(images[0], grid)
+        for stage in range(vl.model.num_vision_stages):
+            hidden = vl.model.encode_stage(hidden, grid, stage)
+    torch.testing.assert_close(hidden, whole, atol=1e-5, rtol=1e-5)
+
+
+def test_stage_bounds():
+    # windowed towers end each stage at a full-attention block
+    assert stage_bounds(4, frozenset({1, 3})) == [(0, 2), (2, 4)]
+    assert stage_bounds(32, frozenset({7, 15, 23, 31})) == [(0, 8), (8, 16), (16, 24), (24, 32)]
+    # full attention everywhere: about four runs of equal blocks, not one per block
+    assert stage_bounds(32, frozenset(range(32))) == [(0, 8), (8, 16), (16, 24), (24, 32)]
+    assert stage_bounds(4, frozenset(range(4))) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert [b - a for a, b in stage_bounds(5, frozenset(range(5)))] == [1, 1, 2, 1]
+    assert stage_bounds(2, frozenset(range(2))) == [(0, 1), (1, 2)]

@@ -15,6 +15,8 @@ from shared.tiny_checkpoint import (
     QWEN2_5_VL_3B,
     QWEN2_5_VL_7B,
     TINY,
+    TINY_QWEN2_VL,
+    ensure_checkpoint,
     num_parameters,
     weight_specs,
     write_checkpoint,
@@ -48,7 +50,7 @@ def _shrunk(preset):
 
 
 def test_presets_have_the_published_shapes():
-    assert set(PRESETS) == {"tiny", "3b", "7b"}
+    assert set(PRESETS) == {"tiny", "tiny-qwen2-vl", "3b", "7b"}
     t3, v3 = QWEN2_5_VL_3B.text, QWEN2_5_VL_3B.vision
     assert (t3.hidden_size, t3.intermediate_size, t3.num_hidden_layers) == (2048, 11008, 36)
     assert (t3.num_attention_heads, t3.num_key_value_heads, t3.head_dim) == (16, 2, 128)
@@ -153,3 +155,31 @@ def test_an_unknown_architecture_fails_by_name_and_lists_the_served_ones(tmp_pat
     message = str(info.value)
     assert "LlavaForCausalLM" in message
     assert all(name in message for name in ARCHITECTURES)
+
+
+def test_tiny_qwen2_vl_preset_reads_back_and_loads_in_both():
+    """`flatserve make-model --preset tiny-qwen2-vl`: a Qwen2-VL checkpoint whose config
+    reads back as the preset, with the shared tokenizer's special tokens, and whose tensors
+    every model of ours and of transformers takes without a missing or extra one."""
+    from transformers import Qwen2VLForConditionalGeneration as HFModel
+
+    from engine_proc.models.registry import model_class
+
+    folder = ensure_checkpoint(PRESETS["tiny-qwen2-vl"])
+    cfg, tiny = load_model_config(folder), load_model_config(ensure_checkpoint(TINY))
+    assert cfg.architecture == "Qwen2VLForConditionalGeneration"
+    assert (cfg.text, cfg.vision) == (TINY_QWEN2_VL.text, TINY_QWEN2_VL.vision)
+    assert (cfg.image_token_id, cfg.vision_start_token_id, cfg.eos_token_ids, cfg.image) == (
+        tiny.image_token_id, tiny.vision_start_token_id, tiny.eos_token_ids, tiny.image)
+    assert (folder / "tokenizer.json").read_bytes() == (
+        ensure_checkpoint(TINY) / "tokenizer.json").read_bytes()
+    model = model_class(cfg)(cfg, torch.device("cpu"), torch.float32)
+    model.load_weights(folder)  # raises on a missing or unexpected tensor
+    assert 2e6 < sum(p.numel() for p in model.parameters()) < 2 * num_parameters(TINY)
+    _, info = HFModel.from_pretrained(folder, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+
+
+def test_weight_specs_are_qwen2_5_vl_only():
+    with pytest.raises(ValueError, match="Qwen2.5-VL only"):
+        weight_specs(TINY_QWEN2_VL)

@@ -1,5 +1,6 @@
-"""Our Qwen2.5-VL against transformers' on the same weights: prefill, paged decode, chunked
-prefill, mixed batches, checkpoint layouts."""
+"""Our model against transformers' on the same weights, for every family case
+(families.py): prefill, paged decode, chunked prefill, mixed batches, checkpoint layouts.
+Images are written in merge units, so each case sees the same prompts."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine_proc.layers.attention import Attention
-from engine_proc.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+from engine_proc.models.registry import model_class
 from shared.model_config import load_model_config
+from tests.engine_proc.conftest import hf_class
 
 ATOL = 1e-3
 
@@ -42,21 +44,21 @@ def test_text_only_prefill_matches_hf(vl, paged_kv):
 
 
 def test_one_image_prefill_matches_hf(vl, paged_kv):
-    ids, grids = vl.prompt([5, 6, 7], (1, 8, 12), [8, 9, 10, 11])
+    ids, grids = vl.prompt([5, 6, 7], (4, 6), [8, 9, 10, 11])
     images = [vl.pixels(grids[0], seed=1)]
     logits, _ = _prefill_logits(vl, paged_kv, "a", ids, images, grids)
     torch.testing.assert_close(logits, vl.hf_logits(ids, images, grids), atol=ATOL, rtol=0)
 
 
 def test_two_images_of_different_sizes_match_hf(vl, paged_kv):
-    ids, grids = vl.prompt([5, 6], (1, 10, 14), [7, 8, 9], (1, 6, 4), [10, 11])
+    ids, grids = vl.prompt([5, 6], (5, 7), [7, 8, 9], (3, 2), [10, 11])
     images = [vl.pixels(g, seed=i) for i, g in enumerate(grids)]
     logits, _ = _prefill_logits(vl, paged_kv, "a", ids, images, grids)
     torch.testing.assert_close(logits, vl.hf_logits(ids, images, grids), atol=ATOL, rtol=0)
 
 
 def test_decode_steps_through_paged_cache_match_hf(vl, paged_kv):
-    ids, grids = vl.prompt([5, 6, 7], (1, 8, 8), [8, 9])
+    ids, grids = vl.prompt([5, 6, 7], (4, 4), [8, 9])
     images = [vl.pixels(grids[0], seed=2)]
     logits, delta = _prefill_logits(vl, paged_kv, "a", ids, images, grids)
     token = int(logits[-1].argmax())
@@ -70,7 +72,7 @@ def test_decode_steps_through_paged_cache_match_hf(vl, paged_kv):
 
 
 def test_chunked_prefill_splitting_an_image_matches_hf(vl, paged_kv):
-    ids, grids = vl.prompt([5, 6, 7], (1, 8, 8), [8, 9, 10])
+    ids, grids = vl.prompt([5, 6, 7], (4, 4), [8, 9, 10])
     images = [vl.pixels(grids[0], seed=3)]
     # image placeholders are tokens 4..19: chunk ends at 9 and 15 land inside them
     logits, _ = _prefill_logits(vl, paged_kv, "a", ids, images, grids, chunks=[9, 15])
@@ -86,8 +88,8 @@ def test_mixed_batch_matches_each_sequence_alone(vl, make_paged_kv, num_decodes,
     padded or, with the host lengths, on its own."""
     prompts = {
         "txt": vl.prompt(list(range(30, 51))),
-        "img2": vl.prompt([13], (1, 4, 6), [14, 15]),
-        "img": vl.prompt([5, 6, 7], (1, 8, 8), [8, 9, 10, 11, 12]),
+        "img2": vl.prompt([13], (2, 3), [14, 15]),
+        "img": vl.prompt([5, 6, 7], (4, 4), [8, 9, 10, 11, 12]),
     }
     inputs = {}
     for i, (key, (ids, grids)) in enumerate(prompts.items()):
@@ -130,7 +132,7 @@ def test_all_decode_batch_matches_each_alone(vl, make_paged_kv):
 def test_runs_without_kv_cache_like_a_profiling_pass(vl, paged_kv):
     """Empty caches (before the runner allocates them): no cache writes, each sequence
     attends to its own new tokens."""
-    prompts = [vl.prompt(list(range(20, 31))), vl.prompt([5], (1, 4, 4), [6, 7])]
+    prompts = [vl.prompt(list(range(20, 31))), vl.prompt([5], (2, 2), [6, 7])]
     spans = []
     for i, (ids, grids) in enumerate(prompts):
         images = [vl.pixels(g, seed=i) for g in grids]
@@ -160,7 +162,7 @@ def _relayout(src, dst, flat_config: bool, hf5_names: bool, shards: int, tie: bo
             shutil.copy(f, dst / f.name)
     tensors = load_file(src / "model.safetensors")
     if tie:
-        tensors.pop("lm_head.weight")
+        tensors.pop("lm_head.weight", None)
     if hf5_names:
         renamed = {}
         for k, v in tensors.items():
@@ -198,7 +200,7 @@ def test_flat_config_and_hf5_names_load_the_same(vl, tmp_path):
     for path in (flat, nested):
         cfg = load_model_config(path)
         assert cfg.text == vl.cfg.text and cfg.vision == vl.cfg.vision
-        model = Qwen2_5_VLForConditionalGeneration(cfg, torch.device("cpu"), torch.float32)
+        model = model_class(cfg)(cfg, torch.device("cpu"), torch.float32)
         model.load_weights(path)
         state = model.state_dict()
         assert state.keys() == expected.keys()
@@ -212,7 +214,7 @@ def test_tied_embeddings_share_the_input_table(vl, tmp_path):
     )
     cfg = load_model_config(path)
     assert cfg.text.tie_word_embeddings
-    model = Qwen2_5_VLForConditionalGeneration(cfg, torch.device("cpu"), torch.float32)
+    model = model_class(cfg)(cfg, torch.device("cpu"), torch.float32)
     model.load_weights(path)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     hidden = torch.randn(2, cfg.text.hidden_size)
@@ -225,39 +227,37 @@ def test_missing_and_unknown_tensors_are_refused(vl, tmp_path):
     path = _relayout(vl.path, tmp_path / "broken", flat_config=False, hf5_names=False, shards=1)
     file = next(path.glob("*.safetensors"))
     tensors = load_file(file)
-    tensors.pop("model.layers.1.self_attn.k_proj.bias")
+    k_bias = tensors.pop("model.layers.1.self_attn.k_proj.bias")
     save_file(tensors, file)
-    model = Qwen2_5_VLForConditionalGeneration(vl.cfg, torch.device("cpu"), torch.float32)
+    model = model_class(vl.cfg)(vl.cfg, torch.device("cpu"), torch.float32)
     with pytest.raises(KeyError, match="k_proj|qkv_proj"):
         model.load_weights(path)
-    tensors["model.layers.1.self_attn.k_proj.bias"] = torch.zeros(64)
+    tensors["model.layers.1.self_attn.k_proj.bias"] = k_bias
     tensors["model.extra.weight"] = torch.zeros(3)
     save_file(tensors, file)
     with pytest.raises(KeyError, match="model.extra.weight"):
         model.load_weights(path)
 
 
-def test_default_tiny_checkpoint_matches_hf(vl, tiny_model_path, make_paged_kv):
-    """The project's generated default model (unperturbed) through the same path."""
-    from transformers import Qwen2_5_VLForConditionalGeneration as HFModel
-
-    cfg = load_model_config(tiny_model_path)
-    model = Qwen2_5_VLForConditionalGeneration(cfg, torch.device("cpu"), torch.float32)
-    model.load_weights(tiny_model_path)
-    hf = HFModel.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+def test_generated_checkpoint_matches_hf(vl, make_paged_kv):
+    """The project's generated checkpoint (unperturbed) through the same path."""
+    cfg = load_model_config(vl.source)
+    model = model_class(cfg)(cfg, torch.device("cpu"), torch.float32)
+    model.load_weights(vl.source)
+    hf = hf_class(cfg.architecture).from_pretrained(vl.source, dtype=torch.float32).eval()
     tiny = vl.with_model(model, hf)
-    ids, grids = tiny.prompt([5, 6], (1, 6, 8), [7, 8, 9])
+    ids, grids = tiny.prompt([5, 6], (3, 4), [7, 8, 9])
     images = [tiny.pixels(grids[0], seed=4)]
     logits, _ = _prefill_logits(tiny, make_paged_kv(model), "a", ids, images, grids)
     torch.testing.assert_close(logits, tiny.hf_logits(ids, images, grids), atol=ATOL, rtol=0)
 
 
 def test_bfloat16_follows_float32(vl, make_paged_kv):
-    model = Qwen2_5_VLForConditionalGeneration(vl.cfg, torch.device("cpu"), torch.bfloat16)
+    model = model_class(vl.cfg)(vl.cfg, torch.device("cpu"), torch.bfloat16)
     model.load_weights(vl.path)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     bf = vl.with_model(model)
-    ids, grids = bf.prompt([5, 6], (1, 4, 8), [7, 8])
+    ids, grids = bf.prompt([5, 6], (2, 4), [7, 8])
     images = [bf.pixels(grids[0], seed=5)]
     logits, _ = _prefill_logits(bf, make_paged_kv(model), "a", ids, images, grids)
     expected = vl.hf_logits(ids, images, grids)
@@ -267,7 +267,7 @@ def test_bfloat16_follows_float32(vl, make_paged_kv):
 
 
 def test_attention_layers_start_without_cache(vl):
-    model = Qwen2_5_VLForConditionalGeneration(vl.cfg, torch.device("cpu"), torch.float32)
+    model = model_class(vl.cfg)(vl.cfg, torch.device("cpu"), torch.float32)
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     assert len(layers) == vl.cfg.text.num_hidden_layers
     assert all(m.k_cache.numel() == 0 and m.v_cache.numel() == 0 for m in layers)
@@ -275,10 +275,10 @@ def test_attention_layers_start_without_cache(vl):
 
 @pytest.mark.gpu
 def test_cuda_matches_hf_on_cpu(vl, make_paged_kv):
-    model = Qwen2_5_VLForConditionalGeneration(vl.cfg, torch.device("cuda"), torch.float32)
+    model = model_class(vl.cfg)(vl.cfg, torch.device("cuda"), torch.float32)
     model.load_weights(vl.path)
     gpu = vl.with_model(model)
-    ids, grids = gpu.prompt([5, 6], (1, 8, 12), [7, 8], (1, 4, 4), [9])
+    ids, grids = gpu.prompt([5, 6], (4, 6), [7, 8], (2, 2), [9])
     images = [gpu.pixels(g, seed=i) for i, g in enumerate(grids)]
     kv = make_paged_kv(model)
     logits, delta = _prefill_logits(gpu, kv, "a", ids, images, grids, chunks=[7])

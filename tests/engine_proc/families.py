@@ -1,0 +1,52 @@
+"""The model cases every parity test runs over (model-level in test_model_*.py, engine-level
+in test_engine.py): one tiny checkpoint each, named by its Preset.
+
+A family joins by adding its tiny preset(s) to CASES: `preset.architecture` is both the
+transformers class the tests compare against and the key of engine_proc/models/registry.py.
+Shapes are written in merge units by the tests, so any patch/merge size works; keep
+min_pixels (56*56) at most 4 merge units of the preset's patches.
+"""
+
+from __future__ import annotations
+
+from shared.model_config import TextConfig, VisionConfig
+from shared.tiny_checkpoint import TINY, TINY_QWEN2_VL, Preset
+
+# Qwen2-VL in another shape: other head counts (and GQA ratio), depths, patch and merge
+# sizes, rope sections; tied embeddings. Test-only, so not in PRESETS.
+TINY_QWEN2_VL_B = Preset(
+    name="tiny-qwen2-vl-b",
+    text=TextConfig(
+        vocab_size=4096,
+        hidden_size=192,
+        intermediate_size=384,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        mrope_section=(8, 8, 8),
+        tie_word_embeddings=True,
+    ),
+    vision=VisionConfig(
+        depth=5,
+        hidden_size=96,
+        intermediate_size=288,
+        num_heads=2,
+        out_hidden_size=192,
+        patch_size=10,
+        spatial_merge_size=3,
+        temporal_patch_size=2,
+        window_size=0,
+        fullatt_block_indexes=(0, 1, 2, 3, 4),
+        hidden_act="quick_gelu",
+    ),
+    dtype="float32",
+    initializer_range=0.07,  # at 0.05 greedy tokens repeat one id; bf16 drifts at 0.1
+    materialize=True,
+    architecture="Qwen2VLForConditionalGeneration",
+)
+
+CASES = [TINY, TINY_QWEN2_VL, TINY_QWEN2_VL_B]
+CASE_IDS = [preset.name for preset in CASES]
