@@ -50,3 +50,6 @@ TINY_QWEN2_VL_B = Preset(
 
 CASES = [TINY, TINY_QWEN2_VL, TINY_QWEN2_VL_B]
 CASE_IDS = [preset.name for preset in CASES]
+
+# The families served end to end in the e2e and soak tests, beside the default model.
+SERVED_FAMILIES = [TINY_QWEN2_VL]

@@ -8,6 +8,8 @@ import sys
 import pytest
 
 from flatserve.soak import SoakConfig, run_soak
+from shared.tiny_checkpoint import TINY, ensure_checkpoint
+from tests.engine_proc.families import SERVED_FAMILIES
 
 # A short run (about 20 s each on an idle machine): the slope limit is looser than the default meant for
 # thousands of requests, since the engine's per-step working set (+-10 MB with the batch
@@ -20,8 +22,13 @@ SHORT_RUN = dict(requests=240, concurrency=8, image_size=336, max_tokens=8, disc
 
 
 @pytest.mark.slow
-def test_soak_passes_on_flatserve(tmp_path):
-    summary = run_soak(SoakConfig(out=str(tmp_path), **SHORT_RUN))
+@pytest.mark.parametrize("preset", [TINY, *SERVED_FAMILIES], ids=lambda p: p.name)
+def test_soak_passes_on_flatserve(tmp_path, preset):
+    """The flat-memory promise holds for every family, not only the default model."""
+    config = dict(SHORT_RUN)
+    if preset is not TINY:
+        config["server_args"] += ("--model", str(ensure_checkpoint(preset)))
+    summary = run_soak(SoakConfig(out=str(tmp_path), **config))
     assert summary.passed, summary.reasons
     assert summary.errors == 0
     roles = {p.role for p in summary.processes}

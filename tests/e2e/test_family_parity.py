@@ -1,0 +1,49 @@
+"""Every served family through HTTP: the official openai client against `flatserve serve
+--model FOLDER` gets the greedy tokens the engine gives offline, streamed and not, for text
+and images (Qwen2.5-VL, the default model, is covered in test_openai_parity.py)."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from shared.tiny_checkpoint import ensure_checkpoint
+from tests.e2e.server_process import ServerProcess
+from tests.e2e.test_openai_parity import MAX_TOKENS, _data_url, _image, _offline_text
+from tests.engine_proc.families import SERVED_FAMILIES
+
+CASES = [[], [(0, (64, 48))], [(1, (120, 90)), (2, (56, 200))]]
+
+
+@pytest.fixture(scope="module", params=SERVED_FAMILIES, ids=lambda p: p.name)
+def family_server(request, tmp_path_factory):
+    folder = ensure_checkpoint(request.param)
+    proc = ServerProcess("--model", str(folder),
+                         log_path=tmp_path_factory.mktemp("server") / "server.log")
+    try:
+        yield folder, proc.wait_ready()
+    finally:
+        proc.stop()
+
+
+def test_openai_client_matches_offline_engine(family_server):
+    folder, server = family_server
+    oai = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    model = oai.models.list().data[0].id
+    for images in CASES:
+        pics = [_image(seed, size) for seed, size in images]
+        content = [{"type": "image_url", "image_url": {"url": _data_url(p)}} for p in pics]
+        content.append({"type": "text", "text": "Describe this image."})
+        messages = [{"role": "user", "content": content}]
+        want_text, want_prompt, want_completion = _offline_text(folder, messages, pics)
+
+        reply = oai.chat.completions.create(model=model, messages=messages,
+                                            max_tokens=MAX_TOKENS, temperature=0)
+        assert reply.choices[0].message.content == want_text
+        assert reply.usage.prompt_tokens == want_prompt
+        assert reply.usage.completion_tokens == want_completion
+
+        stream = oai.chat.completions.create(model=model, messages=messages,
+                                             max_tokens=MAX_TOKENS, temperature=0, stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert text == want_text
