@@ -255,7 +255,9 @@ def load_model_config(path: str | Path) -> ModelConfig:
         attention_bias=bool(text.get("attention_bias", not qwen3)),
         qk_norm=qwen3,
         mrope_interleaved=interleaved,
-        num_experts=int(text.get("num_experts", 0)) if model_type == "qwen3_vl_moe" else 0,
+        # published configs say num_experts; transformers 5 saves num_local_experts
+        num_experts=(int(text.get("num_experts") or text.get("num_local_experts") or 0)
+                     if model_type == "qwen3_vl_moe" else 0),
         num_experts_per_tok=int(text.get("num_experts_per_tok", 0)),
         moe_intermediate_size=int(text.get("moe_intermediate_size", 0)),
         norm_topk_prob=bool(text.get("norm_topk_prob", True)),
