@@ -159,6 +159,15 @@ class VisionAttention(nn.Module):
         layout: VisionLayout,
         windowed: bool,
     ) -> torch.Tensor:
+        qkv = self.rotated_qkv(x, cos, sin)
+        if windowed:
+            out = self._windows(qkv, layout)
+        else:
+            out = self._images(qkv, layout.image_sizes)
+        return self.proj(out.reshape(x.shape[0], -1))
+
+    def rotated_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [N, hidden] -> q, k, v [N, 3, heads, head_dim], q and k rotated."""
         n = x.shape[0]
         qkv = self.qkv(x).view(n, 3, self.num_heads, self.head_dim)
         # Rotary in fp32 like transformers (in place when the model is fp32 already).
@@ -169,11 +178,7 @@ class VisionAttention(nn.Module):
                 qkv[:, :2].reshape(n, 2 * self.num_heads, self.head_dim).float(), cos, sin
             )
             qkv[:, :2] = qk.view(n, 2, self.num_heads, self.head_dim).to(qkv.dtype)
-        if windowed:
-            out = self._windows(qkv, layout)
-        else:
-            out = self._images(qkv, layout.image_sizes)
-        return self.proj(out.reshape(n, -1))
+        return qkv
 
     def _windows(self, qkv: torch.Tensor, layout: VisionLayout) -> torch.Tensor:
         num_windows, length = layout.window_gather.shape
@@ -186,6 +191,7 @@ class VisionAttention(nn.Module):
         return out.index_select(0, layout.window_scatter)
 
     def _images(self, qkv: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+        """Full attention within each image of `sizes` patches."""
         if len(set(sizes)) == 1:  # equal sizes (one image included): one batched call
             q, k, v = qkv.view(len(sizes), sizes[0], 3, self.num_heads, self.head_dim).permute(
                 2, 0, 3, 1, 4

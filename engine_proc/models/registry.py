@@ -12,6 +12,10 @@ from shared.model_config import ARCHITECTURES, ModelConfig, UnsupportedModelErro
 _CLASSES = {
     "Qwen2_5_VLForConditionalGeneration": (
         "engine_proc.models.qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "Qwen3VLForConditionalGeneration": (
+        "engine_proc.models.qwen3_vl", "Qwen3VLForConditionalGeneration"),
+    "Qwen3VLMoeForConditionalGeneration": (
+        "engine_proc.models.qwen3_vl", "Qwen3VLMoeForConditionalGeneration"),
 }
 
 
