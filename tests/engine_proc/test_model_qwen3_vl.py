@@ -293,3 +293,25 @@ def test_published_expert_layout_loads_the_same(q3, tmp_path):
     ours = dict(q3.model.named_parameters())
     for name, param in model.named_parameters():
         assert torch.equal(param, ours[name]), name
+
+
+@pytest.mark.parametrize("preset", [TINY_QWEN3_VL, TINY_QWEN3_VL_MOE], ids=lambda p: p.name)
+def test_presets_load_in_flatserve_and_transformers(preset, tmp_path):
+    import transformers
+
+    from shared.tiny_checkpoint import PRESETS
+
+    assert PRESETS[preset.name] is preset
+    folder = write_checkpoint(tmp_path / "m", preset)
+    cfg = load_model_config(folder)
+    assert (cfg.architecture, cfg.text, cfg.vision) == (preset.architecture, preset.text,
+                                                        preset.vision)
+    image = cfg.image
+    assert (image.patch_size, image.merge_size, image.image_mean) == (16, 2, (0.5, 0.5, 0.5))
+    model = Qwen3VLForConditionalGeneration(cfg, torch.device("cpu"), torch.float32)
+    model.load_weights(folder)  # raises on a missing or unexpected tensor
+    assert 1e6 < sum(p.numel() for p in model.parameters()) < 1e7
+    hf, info = getattr(transformers, preset.architecture).from_pretrained(
+        folder, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    assert torch.equal(hf.model.visual.pos_embed.weight, model.visual.pos_embed.weight)
