@@ -4,9 +4,6 @@ image, two images), paged decode, chunked prefill splitting an image, checkpoint
 
 from __future__ import annotations
 
-from dataclasses import replace
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -21,17 +18,10 @@ from shared.image_resize import resize_image
 from shared.model_config import load_model_config
 from shared.tiny_checkpoint import TINY_QWEN3_VL, TINY_QWEN3_VL_MOE, write_checkpoint
 from tests.engine_proc.conftest import PagedKV, VLHarness
+from tests.engine_proc.qwen3_vl_checkpoints import SHAPES, hf_class, perturbed_checkpoint
 
 ATOL = 1e-3
 
-# Two shapes: the dense preset (patch 16, merge 2), and the MoE preset with its vision
-# tower at patch 14, merge 3 (other heads, depths, rope sections, a dense MLP layer).
-_MOE_SHAPE = replace(
-    TINY_QWEN3_VL_MOE,
-    name="moe-p14-m3",
-    vision=replace(TINY_QWEN3_VL_MOE.vision, patch_size=14, spatial_merge_size=3),
-)
-SHAPES = {"dense": TINY_QWEN3_VL, "moe": _MOE_SHAPE}
 # per shape: (one image grid, two grids of different sizes), sides multiples of the merge
 GRIDS = {
     "dense": ((1, 8, 12), ((1, 10, 14), (1, 6, 4))),
@@ -39,34 +29,14 @@ GRIDS = {
 }
 
 
-def _perturb(src: Path, dst: Path, architecture: str) -> Path:
-    """Every tensor nudged, so norms and biases are not the trivial 1 / 0 of a fresh init."""
-    import transformers
-
-    hf = getattr(transformers, architecture).from_pretrained(src, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    hf.save_pretrained(dst)
-    for name in ("preprocessor_config.json", "generation_config.json", "tokenizer.json",
-                 "tokenizer_config.json", "chat_template.jinja"):
-        if (src / name).exists():
-            (dst / name).write_bytes((src / name).read_bytes())
-    return dst
-
-
 @pytest.fixture(scope="module", params=sorted(SHAPES))
 def q3(request, tmp_path_factory) -> VLHarness:
-    import transformers
-
     preset = SHAPES[request.param]
-    src = write_checkpoint(tmp_path_factory.mktemp(f"{preset.name}-src"), preset)
-    path = _perturb(src, tmp_path_factory.mktemp(preset.name), preset.architecture)
+    path = perturbed_checkpoint(preset, tmp_path_factory)
     cfg = load_model_config(path)
     model = Qwen3VLForConditionalGeneration(cfg, torch.device("cpu"), torch.float32)
     model.load_weights(path)
-    hf = getattr(transformers, preset.architecture).from_pretrained(path, dtype=torch.float32)
+    hf = hf_class(preset).from_pretrained(path, dtype=torch.float32)
     harness = VLHarness(path, model, hf.eval())
     harness.shape = request.param
     yield harness
