@@ -53,7 +53,7 @@ def kv(q3) -> PagedKV:
 
 def _embeds(h: VLHarness, ids, images, grids) -> tuple[torch.Tensor, torch.Tensor]:
     """Token embeddings with image rows written, and the DeepStack rows [T, k * hidden]."""
-    ids = torch.tensor(ids)
+    ids = torch.tensor(ids, device=h.model.device)
     x = h.model.embed_tokens(ids)
     deepstack = x.new_zeros(x.shape[0], len(h.cfg.vision.deepstack_visual_indexes) * x.shape[1])
     if images:
@@ -226,6 +226,41 @@ def test_a_text_decode_batched_with_an_image_chunk_equals_each_alone(q3):
             results.append([_forward(kv, q3.model, [span]) for span in (dec, chunk)])
     for alone, together in zip(*results, strict=True):
         torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_follows_float32(q3):
+    model = Qwen3VLForConditionalGeneration(q3.cfg, torch.device("cpu"), torch.bfloat16)
+    model.load_weights(q3.path)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    bf = q3.with_model(model)
+    ids, grids = bf.prompt([5, 6], GRIDS[q3.shape][0], [7, 8])
+    images = [bf.pixels(grids[0], seed=5)]
+    logits, _ = _prefill_logits(bf, PagedKV(model), "a", ids, images, grids)
+    assert logits.dtype == torch.bfloat16
+    # against transformers in bf16 too: a router near-tie can pick other experts in bf16
+    # than in fp32 (0.36 off fp32 on one MoE row, for both implementations alike)
+    hf = hf_class(SHAPES[q3.shape]).from_pretrained(q3.path, dtype=torch.bfloat16).eval()
+    expected = q3.with_model(model, hf).hf_logits(ids, images, grids)
+    assert (logits.float() - expected.float()).abs().max() < 0.25
+    assert (logits.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.gpu
+def test_cuda_matches_hf_on_cpu(q3):
+    model = Qwen3VLForConditionalGeneration(q3.cfg, torch.device("cuda"), torch.float32)
+    model.load_weights(q3.path)
+    gpu = q3.with_model(model)
+    first, second = GRIDS[q3.shape][1]
+    ids, grids = gpu.prompt([5, 6], first, [7, 8], second, [9])
+    images = [gpu.pixels(g, seed=i) for i, g in enumerate(grids)]
+    kv = PagedKV(model)
+    logits, delta = _prefill_logits(gpu, kv, "a", ids, images, grids, chunks=[7])
+    torch.testing.assert_close(logits.cpu(), q3.hf_logits(ids, images, grids), atol=ATOL, rtol=0)
+    embeds = model.embed_tokens(torch.tensor([11], device="cuda"))
+    pos = torch.full((3, 1), len(ids) + delta, dtype=torch.int64, device="cuda")
+    step = model.compute_logits(_forward(kv, model, [("a", embeds, pos, None)]))
+    torch.testing.assert_close(
+        step.cpu()[0], q3.hf_logits(ids + [11], images, grids)[-1], atol=ATOL, rtol=0)
 
 
 # ---- checkpoints ------------------------------------------------------------------------
