@@ -10,7 +10,8 @@ last step merges all of it into [N / merge^2, out_hidden * (1 + k)]: the image e
 then the k DeepStack features, in decoder-layer order.
 
 Layout (position-embedding taps and weights, rotary rows) comes from the host-int grids,
-cached per grid shape for small grids, and reaches the device in non-blocking copies.
+built on the host per frame shape (cached for small ones), and reaches the device in
+non-blocking copies: no host sync in the forward.
 """
 
 from __future__ import annotations
@@ -53,25 +54,37 @@ def _axis_taps(index: torch.Tensor, size: int, side: int) -> tuple[torch.Tensor,
     return taps, weights
 
 
-def _host_grid_layout(h: int, w: int, merge: int, side: int) -> tuple[torch.Tensor, ...]:
-    """One frame: (pos_hw int64 [h*w, 2], taps int64 [h*w, 4], weights fp32 [h*w, 4])."""
+def _frame_positions(h: int, w: int, merge: int) -> torch.Tensor:
+    """int64 [h*w, 2]: (row, column) of each patch of one frame, for the rotary."""
     rows, cols = _frame_rows_cols(h, w, merge)
-    rows_t, cols_t = torch.from_numpy(rows), torch.from_numpy(cols)
-    h_taps, h_weights = _axis_taps(rows_t, h, side)
-    w_taps, w_weights = _axis_taps(cols_t, w, side)
+    return torch.from_numpy(np.stack([rows, cols], axis=1))
+
+
+def _frame_interpolation(h: int, w: int, merge: int, side: int) -> tuple[torch.Tensor, ...]:
+    """One frame's taps int64 [h*w, 4] into the side x side position table and their
+    bilinear weights fp32 [h*w, 4]."""
+    rows, cols = _frame_rows_cols(h, w, merge)
+    h_taps, h_weights = _axis_taps(torch.from_numpy(rows), h, side)
+    w_taps, w_weights = _axis_taps(torch.from_numpy(cols), w, side)
     taps = (h_taps[:, :, None] * side + w_taps[:, None, :]).reshape(-1, 4)
     weights = (h_weights[:, :, None] * w_weights[:, None, :]).reshape(-1, 4)
-    return torch.stack([rows_t, cols_t], dim=1), taps, weights
+    return taps, weights
 
 
-_cached_grid_layout = lru_cache(maxsize=32)(_host_grid_layout)  # R4: bounded
+# R4: a bounded number of small grids is kept (under ~1 MB each); big grids are built
+# fresh (milliseconds, next to the tower's work on them).
+_cached_positions = lru_cache(maxsize=32)(_frame_positions)
+_cached_interpolation = lru_cache(maxsize=32)(_frame_interpolation)
 
 
-def grid_layout(h: int, w: int, merge: int, side: int) -> tuple[torch.Tensor, ...]:
-    """Cached for small grids (frequent, cheap to keep); built fresh for big ones."""
-    if h * w <= CACHED_LAYOUT_MAX_PATCHES:
-        return _cached_grid_layout(h, w, merge, side)
-    return _host_grid_layout(h, w, merge, side)
+def frame_positions(h: int, w: int, merge: int) -> torch.Tensor:
+    small = h * w <= CACHED_LAYOUT_MAX_PATCHES
+    return (_cached_positions if small else _frame_positions)(h, w, merge)
+
+
+def frame_interpolation(h: int, w: int, merge: int, side: int) -> tuple[torch.Tensor, ...]:
+    small = h * w <= CACHED_LAYOUT_MAX_PATCHES
+    return (_cached_interpolation if small else _frame_interpolation)(h, w, merge, side)
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -104,7 +117,11 @@ class VisionMLP(nn.Module):
 
 
 class Qwen3VisionAttention(VisionAttention):
-    def forward(self, x, cos, sin, sizes: tuple[int, ...]) -> torch.Tensor:
+    """Full attention within each image (Qwen3-VL has no window blocks)."""
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sizes: tuple[int, ...]
+    ) -> torch.Tensor:
         out = self._images(self.rotated_qkv(x, cos, sin), sizes)
         return self.proj(out.reshape(x.shape[0], -1))
 
@@ -117,7 +134,9 @@ class VisionBlock(nn.Module):
         self.attn = Qwen3VisionAttention(cfg)
         self.mlp = VisionMLP(cfg)
 
-    def forward(self, x, cos, sin, sizes: tuple[int, ...]) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sizes: tuple[int, ...]
+    ) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, sizes)
         return x + self.mlp(self.norm2(x))
 
@@ -187,20 +206,15 @@ class Qwen3VisionTransformer(nn.Module):
         x = self.add_position_embeddings(x, grids)
         return self.merge_all(self.run_blocks(x, grids, 0, len(self.blocks)))
 
-    def _layouts(self, grids: Grids) -> list[tuple[torch.Tensor, ...]]:
-        layouts = []
-        for t, h, w in grids:
-            pos_hw, taps, weights = grid_layout(int(h), int(w), self.merge, self.side)
-            if t > 1:
-                pos_hw, taps, weights = (a.repeat(t, 1) for a in (pos_hw, taps, weights))
-            layouts.append((pos_hw, taps, weights))
-        return layouts
-
     def add_position_embeddings(self, x: torch.Tensor, grids: Grids) -> torch.Tensor:
         """Patch embeddings [N, width] + the learned table resampled to each grid."""
-        layouts = self._layouts(grids)
-        taps = _to_device(torch.cat([taps for _, taps, _ in layouts]), self.device)
-        weights = _to_device(torch.cat([w for _, _, w in layouts]), self.device)
+        taps, weights = [], []
+        for t, h, w in grids:
+            frame_taps, frame_weights = frame_interpolation(int(h), int(w), self.merge, self.side)
+            taps += [frame_taps] * int(t)
+            weights += [frame_weights] * int(t)
+        taps = _to_device(torch.cat(taps), self.device)
+        weights = _to_device(torch.cat(weights), self.device)
         pos = (self.pos_embed(taps) * weights[:, :, None]).sum(1)
         return x + pos.to(x.dtype)
 
@@ -209,7 +223,8 @@ class Qwen3VisionTransformer(nn.Module):
         in `grids`; DeepStack block outputs are appended as columns."""
         grids = tuple(tuple(int(v) for v in g) for g in grids)
         self.rotary.ensure_side(max(max(h, w) for _, h, w in grids))
-        pos_hw = _to_device(torch.cat([p for p, _, _ in self._layouts(grids)]), self.device)
+        pos_hw = torch.cat([frame_positions(h, w, self.merge) for t, h, w in grids for _ in range(t)])
+        pos_hw = _to_device(pos_hw, self.device)
         cos, sin = self.rotary(pos_hw)
         sizes = tuple(t * h * w for t, h, w in grids)
         x, earlier = carried[:, : self.width], carried[:, self.width :]
