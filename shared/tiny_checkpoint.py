@@ -1,13 +1,18 @@
-"""Qwen2.5-VL checkpoints with random weights, generated locally and deterministically.
+"""Vision-language checkpoints with random weights, generated locally and deterministically.
 
 No hub download is possible where flatserve is developed and tested, so models are made
 here. A `Preset` is the data of one: the shapes `load_model_config` reads back, the weight
 dtype, the folder name. Every preset shares the byte-level BPE tokenizer trained on text
-shipped in shared/data, the Qwen2-VL chat template and the preprocessor config.
+shipped in shared/data and the Qwen2-VL chat template; the preprocessor config is the
+family's.
 
 - `tiny`, the default model: about 5 M parameters, window attention and full-attention
   blocks in the vision tower so every code path runs. transformers builds it from a fixed
   seed; same bytes on every run for a given transformers version.
+- `tiny-qwen3-vl`, `tiny-qwen3-vl-moe`: Qwen3-VL dense (7.5 M parameters) and MoE (2 M,
+  4 experts top 2, one dense layer), DeepStack taps in a 5- and 4-block tower, built by
+  transformers from the same seed, with Qwen3-VL's preprocessor config (patch 16, mean
+  and std 0.5).
 - `3b`, `7b`: the real shapes of Qwen2.5-VL-3B/7B-Instruct, to measure performance at scale.
   Their weights are streamed tensor by tensor into bf16 safetensors shards with an index,
   so memory stays bounded whatever the model size (7.5 GB and 16.6 GB of disk).
