@@ -22,6 +22,10 @@ PATCH_CHUNK = 4096  # patches normalized and embedded at once (~19 MB of float32
 
 
 class Qwen2_5_VLForConditionalGeneration(nn.Module):
+    # Qwen3-VL swaps in its own tower and decoder and keeps the rest.
+    vision_tower_class: type[nn.Module] = Qwen2_5_VisionTransformer
+    decoder_class: type[nn.Module] = Qwen2Model
+
     def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
@@ -35,8 +39,8 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         )
         # Parameters are created uninitialized on the device: load_weights fills them.
         with default_dtype(dtype), torch.device("meta"):
-            self.visual = Qwen2_5_VisionTransformer(config.vision, self.device, max_side)
-            self.model = Qwen2Model(text, self.device, dtype)
+            self.visual = self.vision_tower_class(config.vision, self.device, max_side)
+            self.model = self.decoder_class(text, self.device, dtype)
             self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         self.to_empty(device=self.device)
         if text.tie_word_embeddings:
@@ -57,7 +61,8 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         self, pixels: list[torch.Tensor], grids: list[tuple[int, int, int]]
     ) -> list[torch.Tensor]:
         """Resized uint8 images [h, w, 3] (host or device) with their (t, h, w) patch grids
-        -> per image embeddings [t*h*w / merge^2, hidden], from one vision forward."""
+        -> per image embeddings [t*h*w / merge^2, hidden] (Qwen3-VL: hidden * (1 + k), the
+        DeepStack features as further columns), from one vision forward."""
         if not pixels:
             return []
         if len(pixels) != len(grids):

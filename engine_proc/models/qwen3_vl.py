@@ -1,5 +1,5 @@
 """Qwen3-VL, dense and MoE: vision tower with DeepStack + Qwen3 decoder, with the interface
-the model runner calls.
+the model runner calls (Qwen2.5-VL's, whose loading, embedding and encoding code it shares).
 
 An image's embeddings are [tokens, hidden * (1 + k)]: the embeddings that replace its
 placeholder rows, then its k DeepStack features. The runner passes the DeepStack columns
@@ -9,85 +9,16 @@ as part of the image.
 
 from __future__ import annotations
 
-import math
-from pathlib import Path
-
 import torch
-from torch import nn
 
-from engine_proc.image_processor import pixels_to_patch_chunks
+from engine_proc.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from engine_proc.models.qwen3 import Qwen3Model
 from engine_proc.models.qwen3_vl_vision import Qwen3VisionTransformer
-from engine_proc.models.weight_loader import default_dtype, load_checkpoint
-from shared.model_config import ModelConfig
-
-PATCH_CHUNK = 4096  # patches normalized and embedded at once
 
 
-class Qwen3VLForConditionalGeneration(nn.Module):
-    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.config = config
-        self.device = torch.device(device)
-        self.dtype = dtype
-        text, image = config.text, config.image
-        # Longest grid side the processor can produce (aspect ratio <= 200), for the
-        # vision rotary table; it grows on demand past that.
-        max_side = (
-            math.ceil(math.sqrt(200 * image.max_pixels) / image.patch_size) + image.merge_size
-        )
-        with default_dtype(dtype), torch.device("meta"):
-            self.visual = Qwen3VisionTransformer(config.vision, self.device, max_side)
-            self.model = Qwen3Model(text, self.device, dtype)
-            self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
-        self.to_empty(device=self.device)
-        if text.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.eval()
-
-    def load_weights(self, path: str | Path) -> None:
-        """Load the checkpoint in `path` by tensor name (see weight_loader)."""
-        load_checkpoint(self, path, tied=self.config.text.tie_word_embeddings)
-
-    @torch.no_grad()
-    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids int [T] -> [T, hidden]."""
-        return self.model.embed_tokens(input_ids)
-
-    @torch.no_grad()
-    def encode_images(
-        self, pixels: list[torch.Tensor], grids: list[tuple[int, int, int]]
-    ) -> list[torch.Tensor]:
-        """Resized uint8 images [h, w, 3] with their (t, h, w) patch grids -> per image
-        [t*h*w / merge^2, hidden * (1 + k)] (embeddings, then DeepStack features), from
-        one vision forward."""
-        if not pixels:
-            return []
-        if len(pixels) != len(grids):
-            raise ValueError(f"{len(pixels)} images but {len(grids)} grids")
-        grids = [tuple(int(v) for v in g) for g in grids]
-        hidden = torch.cat([self.embed_patches(p, g) for p, g in zip(pixels, grids, strict=True)])
-        embeds = self.visual.forward_embedded(hidden, tuple(grids))
-        del hidden
-        unit = self.config.vision.spatial_merge_size**2
-        outs = embeds.split([t * h * w // unit for t, h, w in grids])
-        if len(outs) == 1:
-            return list(outs)
-        # R3: separate storage per image, so each is freed once its own prefill used it.
-        return [out.clone() for out in outs]
-
-    def embed_patches(self, pixels: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
-        """One resized uint8 image [h, w, 3] -> its patch embeddings [t*h*w, vision width],
-        embedded piece by piece (float patches are 8x the uint8 pixels)."""
-        return torch.cat([
-            self.visual.patch_embed(chunk)
-            for chunk in pixels_to_patch_chunks(
-                pixels.to(self.device, non_blocking=True), grid, self.config.image, PATCH_CHUNK)
-        ])
-
-    @property
-    def num_vision_stages(self) -> int:
-        return len(self.visual.stages)
+class Qwen3VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
+    vision_tower_class = Qwen3VisionTransformer
+    decoder_class = Qwen3Model
 
     def encode_stage(
         self, hidden: torch.Tensor, grid: tuple[int, int, int], stage: int
@@ -114,11 +45,6 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         image rows' DeepStack features, zeros elsewhere) or None -> hidden [T, hidden].
         Attention layout and KV cache slots come from engine_proc.context."""
         return self.model(inputs_embeds, positions, deepstack)
-
-    @torch.no_grad()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] in the model dtype."""
-        return self.lm_head(hidden)
 
 
 class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration):
