@@ -204,7 +204,7 @@ class Qwen3VisionTransformer(nn.Module):
     def forward_embedded(self, x: torch.Tensor, grids: Grids) -> torch.Tensor:
         """`forward` from the patch embeddings [N, width] on."""
         x = self.add_position_embeddings(x, grids)
-        return self.merge_all(self.run_blocks(x, grids, 0, len(self.blocks)))
+        return self._merge(*self._blocks(x, grids, 0, len(self.blocks)))
 
     def add_position_embeddings(self, x: torch.Tensor, grids: Grids) -> torch.Tensor:
         """Patch embeddings [N, width] + the learned table resampled to each grid."""
@@ -220,28 +220,39 @@ class Qwen3VisionTransformer(nn.Module):
 
     def run_blocks(self, carried: torch.Tensor, grids: Grids, first: int, end: int) -> torch.Tensor:
         """Blocks [first, end) over the carried tensor [N, width * (1 + j)] of the images
-        in `grids`; DeepStack block outputs are appended as columns."""
+        in `grids` (one stage); DeepStack block outputs are appended as columns."""
+        x, taken = self._blocks(carried[:, : self.width], grids, first, end)
+        earlier = carried[:, self.width :]
+        parts = [x, earlier, *taken] if earlier.shape[1] else [x, *taken]
+        return torch.cat(parts, dim=1) if len(parts) > 1 else x
+
+    def merge_all(self, carried: torch.Tensor) -> torch.Tensor:
+        """The carried tensor after the last block -> [N / merge^2, out_hidden * (1 + k)]."""
+        x, *taken = carried.split(self.width, dim=1)
+        return self._merge(x, taken)
+
+    def _blocks(
+        self, x: torch.Tensor, grids: Grids, first: int, end: int
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Blocks [first, end) over hidden states [N, width] -> (hidden states, outputs of
+        the DeepStack blocks among them)."""
         grids = tuple(tuple(int(v) for v in g) for g in grids)
         self.rotary.ensure_side(max(max(h, w) for _, h, w in grids))
         pos_hw = torch.cat([frame_positions(h, w, self.merge) for t, h, w in grids for _ in range(t)])
-        pos_hw = _to_device(pos_hw, self.device)
-        cos, sin = self.rotary(pos_hw)
+        cos, sin = self.rotary(_to_device(pos_hw, self.device))
         sizes = tuple(t * h * w for t, h, w in grids)
-        x, earlier = carried[:, : self.width], carried[:, self.width :]
-        taken = [earlier] if earlier.shape[1] else []
+        taken = []
         for i in range(first, end):
             x = self.blocks[i](x, cos, sin, sizes)
             if i in self.deepstack_blocks:
                 taken.append(x)
-        return torch.cat([x, *taken], dim=1) if taken else x
+        return x, taken
 
-    def merge_all(self, carried: torch.Tensor) -> torch.Tensor:
-        """The carried tensor after the last block -> [N / merge^2, out_hidden * (1 + k)]."""
-        parts = carried.split(self.width, dim=1)
-        if len(parts) != 1 + self.num_deepstack:
-            raise ValueError(f"{len(parts) - 1} DeepStack features carried, "
+    def _merge(self, x: torch.Tensor, taken: list[torch.Tensor]) -> torch.Tensor:
+        if len(taken) != self.num_deepstack:
+            raise ValueError(f"{len(taken)} DeepStack features carried, "
                              f"{self.num_deepstack} expected")
-        merged = [self.merger(parts[0])]
-        merged += [self.deepstack_merger_list[m](p)
-                   for m, p in zip(self.deepstack_mergers, parts[1:], strict=True)]
+        merged = [self.merger(x)]
+        merged += [self.deepstack_merger_list[m](t)
+                   for m, t in zip(self.deepstack_mergers, taken, strict=True)]
         return torch.cat(merged, dim=1)
