@@ -4,6 +4,8 @@ image, two images), paged decode, chunked prefill splitting an image, checkpoint
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -320,3 +322,30 @@ def test_presets_load_in_flatserve_and_transformers(preset, tmp_path):
         folder, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
     assert torch.equal(hf.model.visual.pos_embed.weight, model.visual.pos_embed.weight)
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1, 3, 40])
+def test_sparse_moe_block_matches_hf(num_tokens):
+    """Routing, renormalized top-k weights and the expert sums, for batches where some
+    experts get no token (or none does)."""
+    from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import (
+        Qwen3VLMoeTextConfig,
+    )
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (
+        Qwen3VLMoeTextSparseMoeBlock,
+    )
+
+    from engine_proc.models.qwen3_moe import SparseMoeBlock
+
+    t = TINY_QWEN3_VL_MOE.text
+    torch.manual_seed(0)
+    hf = Qwen3VLMoeTextSparseMoeBlock(Qwen3VLMoeTextConfig(
+        hidden_size=t.hidden_size, num_experts=6, num_experts_per_tok=3,
+        moe_intermediate_size=t.moe_intermediate_size))
+    for p in hf.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    ours = SparseMoeBlock(replace(t, num_experts=6, num_experts_per_tok=3))
+    ours.load_state_dict(hf.state_dict())
+    x = torch.randn(1, num_tokens, t.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x[0]), hf(x)[0], atol=1e-5, rtol=1e-5)
