@@ -349,3 +349,24 @@ def test_sparse_moe_block_matches_hf(num_tokens):
     x = torch.randn(1, num_tokens, t.hidden_size)
     with torch.no_grad():
         torch.testing.assert_close(ours(x[0]), hf(x)[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("section", [(24, 20, 20), (10, 7, 7), (6, 5, 5)])
+def test_interleaved_mrope_tables_match_hf(section):
+    from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLTextConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
+
+    from engine_proc.layers.rotary_embedding import MRotaryEmbedding
+
+    head_dim = 2 * sum(section)
+    rope = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": list(section),
+            "mrope_interleaved": True}
+    hf = Qwen3VLTextRotaryEmbedding(Qwen3VLTextConfig(
+        head_dim=head_dim, max_position_embeddings=4096, rope_parameters=rope))
+    ours = MRotaryEmbedding(head_dim, 4096, 5e6, section, torch.device("cpu"), torch.float32,
+                            interleaved=True)
+    positions = torch.randint(0, 4096, (3, 50), generator=torch.Generator().manual_seed(0))
+    cos, sin = hf(torch.zeros(1), positions[:, None, :])
+    ours_cos, ours_sin = ours(positions)
+    torch.testing.assert_close(ours_cos, cos[0, :, : head_dim // 2], atol=1e-6, rtol=0)
+    torch.testing.assert_close(ours_sin, sin[0, :, : head_dim // 2], atol=1e-6, rtol=0)
