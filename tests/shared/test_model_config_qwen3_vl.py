@@ -112,3 +112,11 @@ def test_transformers_5_moe_names_the_expert_count_num_local_experts(tmp_path):
     t = _write(tmp_path, "Qwen3VLMoeForConditionalGeneration", text).text
     assert (t.num_experts, t.mrope_interleaved) == (4, True)
     assert [t.is_moe_layer(i) for i in range(3)] == [True, False, True]
+
+
+def test_rope_defaults_follow_transformers(tmp_path):
+    """transformers interleaves Qwen3-VL's frequencies whatever mrope_interleaved says and
+    falls back to mrope_section (24, 20, 20) when none is named."""
+    text = dict(_TEXT, rope_scaling={"rope_type": "default"})
+    t = _write(tmp_path, "Qwen3VLForConditionalGeneration", text).text
+    assert (t.mrope_section, t.mrope_interleaved) == ((24, 20, 20), True)
