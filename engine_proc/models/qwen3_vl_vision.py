@@ -164,6 +164,8 @@ class PatchMerger(nn.Module):
 class Qwen3VisionTransformer(nn.Module):
     def __init__(self, cfg: VisionConfig, device: torch.device, max_side: int = 256) -> None:
         super().__init__()
+        if cfg.hidden_act != "gelu_pytorch_tanh":
+            raise ValueError(f"Qwen3-VL vision hidden_act {cfg.hidden_act!r} is not implemented")
         self.cfg = cfg
         self.merge = cfg.spatial_merge_size
         self.width = cfg.hidden_size
