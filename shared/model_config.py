@@ -148,15 +148,20 @@ def _architecture(cfg: dict) -> str:
         f"unsupported architecture {found}; flatserve serves {', '.join(ARCHITECTURES)}")
 
 
-def _rope(text: dict) -> tuple[float, tuple[int, int, int], bool]:
+# transformers' mrope_section when a config names none (it fits head_dim 128)
+_DEFAULT_MROPE_SECTION = {"qwen2_vl": (16, 24, 24), "qwen2_5_vl": (16, 24, 24),
+                          "qwen3_vl": (24, 20, 20), "qwen3_vl_moe": (24, 20, 20)}
+
+
+def _rope(text: dict, model_type: str) -> tuple[float, tuple[int, int, int], bool]:
+    """(theta, mrope_section, interleaved). transformers interleaves Qwen3-VL's rotary
+    frequencies whatever the config's mrope_interleaved says, and never Qwen2(.5)-VL's."""
     params = text.get("rope_parameters") or {}
     scaling = text.get("rope_scaling") or {}
     theta = params.get("rope_theta", text.get("rope_theta", 1000000.0))
-    section = params.get("mrope_section") or scaling.get("mrope_section")
-    if section is None:
-        raise ValueError("config has no mrope_section (rope_scaling or rope_parameters)")
-    interleaved = bool(params.get("mrope_interleaved", scaling.get("mrope_interleaved", False)))
-    return float(theta), tuple(int(s) for s in section), interleaved
+    section = (params.get("mrope_section") or scaling.get("mrope_section")
+               or _DEFAULT_MROPE_SECTION[model_type])
+    return float(theta), tuple(int(s) for s in section), model_type.startswith("qwen3")
 
 
 def _vision(v: dict, model_type: str, text_hidden: int) -> VisionConfig:
@@ -237,7 +242,7 @@ def load_model_config(path: str | Path) -> ModelConfig:
     model_type = ARCHITECTURES[architecture]
     qwen3 = model_type.startswith("qwen3")
     text = _text_section(cfg)
-    theta, section, interleaved = _rope(text)
+    theta, section, interleaved = _rope(text, model_type)
     text_config = TextConfig(
         vocab_size=int(text["vocab_size"]),
         hidden_size=int(text["hidden_size"]),
@@ -255,7 +260,9 @@ def load_model_config(path: str | Path) -> ModelConfig:
         attention_bias=bool(text.get("attention_bias", not qwen3)),
         qk_norm=qwen3,
         mrope_interleaved=interleaved,
-        num_experts=int(text.get("num_experts", 0)) if model_type == "qwen3_vl_moe" else 0,
+        # published configs say num_experts; transformers 5 saves num_local_experts
+        num_experts=(int(text.get("num_experts") or text.get("num_local_experts") or 0)
+                     if model_type == "qwen3_vl_moe" else 0),
         num_experts_per_tok=int(text.get("num_experts_per_tok", 0)),
         moe_intermediate_size=int(text.get("moe_intermediate_size", 0)),
         norm_topk_prob=bool(text.get("norm_topk_prob", True)),

@@ -1,15 +1,20 @@
-"""Qwen-VL checkpoints with random weights, generated locally and deterministically.
+"""Vision-language checkpoints with random weights, generated locally and deterministically.
 
 No hub download is possible where flatserve is developed and tested, so models are made
 here. A `Preset` is the data of one: the shapes `load_model_config` reads back, the weight
 dtype, the folder name. Every preset shares the byte-level BPE tokenizer trained on text
-shipped in shared/data, the Qwen2-VL chat template and the preprocessor config.
+shipped in shared/data and the Qwen2-VL chat template; the preprocessor config is the
+family's.
 
 - `tiny`, the default model: about 5 M parameters, window attention and full-attention
   blocks in the vision tower so every code path runs. transformers builds it from a fixed
   seed; same bytes on every run for a given transformers version.
 - `tiny-qwen2-vl`: a Qwen2-VL of about the same size (full attention, LayerNorm and
   quick-GELU in the vision tower), built by transformers from the same seed.
+- `tiny-qwen3-vl`, `tiny-qwen3-vl-moe`: Qwen3-VL dense (7.5 M parameters) and MoE (2 M,
+  4 experts top 2, one dense layer), DeepStack taps in a 5- and 4-block tower, built by
+  transformers from the same seed, with Qwen3-VL's preprocessor config (patch 16, mean
+  and std 0.5).
 - `3b`, `7b`: the real shapes of Qwen2.5-VL-3B/7B-Instruct, to measure performance at scale.
   Their weights are streamed tensor by tensor into bf16 safetensors shards with an index,
   so memory stays bounded whatever the model size (7.5 GB and 16.6 GB of disk).
@@ -63,6 +68,22 @@ PREPROCESSOR_CONFIG = {
     "min_pixels": 56 * 56,
     "max_pixels": 28 * 28 * 16384,
     "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+}
+# Qwen3-VL's published layout (transformers 5 `size`), with a smaller minimum for tiny tests
+QWEN3_VL_PREPROCESSOR_CONFIG = {
+    "image_processor_type": "Qwen2VLImageProcessorFast",
+    "processor_class": "Qwen3VLProcessor",
+    "do_resize": True,
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "do_convert_rgb": True,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "size": {"shortest_edge": 64 * 64, "longest_edge": 4096 * 4096},
+    "patch_size": 16,
     "temporal_patch_size": 2,
     "merge_size": 2,
 }
@@ -197,7 +218,99 @@ TINY_QWEN2_VL = Preset(
     materialize=True,
     architecture="Qwen2VLForConditionalGeneration",
 )
-PRESETS = {"tiny": TINY, "tiny-qwen2-vl": TINY_QWEN2_VL, "3b": QWEN2_5_VL_3B, "7b": QWEN2_5_VL_7B}
+# Qwen3-VL: head_dim set apart from hidden / heads, interleaved mRoPE, learned position
+# table smaller than most grids (so it is resampled), two DeepStack taps.
+TINY_QWEN3_VL = Preset(
+    name="tiny-qwen3-vl",
+    text=TextConfig(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        rope_theta=5000000.0,
+        mrope_section=(10, 7, 7),
+        tie_word_embeddings=False,
+        head_dim=48,
+        attention_bias=False,
+        qk_norm=True,
+        mrope_interleaved=True,
+    ),
+    vision=VisionConfig(
+        depth=5,
+        hidden_size=128,
+        intermediate_size=256,
+        num_heads=4,
+        out_hidden_size=256,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        window_size=0,
+        fullatt_block_indexes=(0, 1, 2, 3, 4),
+        hidden_act="gelu_pytorch_tanh",
+        num_position_embeddings=64,
+        deepstack_visual_indexes=(1, 3),
+    ),
+    dtype="float32",
+    initializer_range=0.05,
+    materialize=True,
+    architecture="Qwen3VLForConditionalGeneration",
+)
+# Qwen3-VL-MoE: 4 experts, top 2, layer 1 a dense MLP (mlp_only_layers).
+TINY_QWEN3_VL_MOE = Preset(
+    name="tiny-qwen3-vl-moe",
+    text=TextConfig(
+        vocab_size=4096,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        rope_theta=5000000.0,
+        mrope_section=(6, 5, 5),
+        tie_word_embeddings=False,
+        head_dim=32,
+        attention_bias=False,
+        qk_norm=True,
+        mrope_interleaved=True,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,  # 2 * 48 != 128: the two expert layouts differ in shape
+        mlp_only_layers=(1,),
+    ),
+    vision=VisionConfig(
+        depth=4,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=2,
+        out_hidden_size=128,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        window_size=0,
+        fullatt_block_indexes=(0, 1, 2, 3),
+        hidden_act="gelu_pytorch_tanh",
+        num_position_embeddings=36,
+        deepstack_visual_indexes=(0, 2),
+    ),
+    dtype="float32",
+    initializer_range=0.05,
+    materialize=True,
+    architecture="Qwen3VLMoeForConditionalGeneration",
+)
+PRESETS = {
+    "tiny": TINY,
+    "tiny-qwen2-vl": TINY_QWEN2_VL,
+    "3b": QWEN2_5_VL_3B,
+    "7b": QWEN2_5_VL_7B,
+    "tiny-qwen3-vl": TINY_QWEN3_VL,
+    "tiny-qwen3-vl-moe": TINY_QWEN3_VL_MOE,
+}
 
 
 def default_cache_dir() -> Path:
@@ -262,7 +375,7 @@ def write_checkpoint(
         config.save_pretrained(str(folder))
         _write_streamed_weights(folder, preset, max_shard_bytes)
     (folder / "preprocessor_config.json").write_text(
-        json.dumps(preprocessor_config(preset.vision), indent=2) + "\n"
+        json.dumps(preprocessor_config(preset), indent=2) + "\n"
     )
     generation = {
         "bos_token_id": special["<|endoftext|>"],
@@ -273,13 +386,19 @@ def write_checkpoint(
     return folder
 
 
-def preprocessor_config(vision: VisionConfig) -> dict:
-    """PREPROCESSOR_CONFIG with the tower's patch and merge sizes."""
+def preprocessor_config(preset: Preset) -> dict:
+    """The family's preprocessor config with the tower's patch and merge sizes."""
+    v = preset.vision
+    base = PREPROCESSOR_CONFIG
+    if preset.architecture.startswith("Qwen3VL"):
+        factor = v.patch_size * v.spatial_merge_size
+        base = {**QWEN3_VL_PREPROCESSOR_CONFIG,
+                "size": {"shortest_edge": 4 * factor * factor, "longest_edge": 4096 * 4096}}
     return {
-        **PREPROCESSOR_CONFIG,
-        "patch_size": vision.patch_size,
-        "temporal_patch_size": vision.temporal_patch_size,
-        "merge_size": vision.spatial_merge_size,
+        **base,
+        "patch_size": v.patch_size,
+        "temporal_patch_size": v.temporal_patch_size,
+        "merge_size": v.spatial_merge_size,
     }
 
 
@@ -472,9 +591,75 @@ def _qwen2_vl_config(preset: Preset, special: dict[str, int]):
     return _with_initializer_range(config, preset)
 
 
+def _qwen3_vl_config(preset: Preset, special: dict[str, int]):
+    import transformers
+
+    t, v = preset.text, preset.vision
+    moe = preset.architecture == "Qwen3VLMoeForConditionalGeneration"
+    text = dict(
+        hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size,
+        num_hidden_layers=t.num_hidden_layers,
+        num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_key_value_heads,
+        head_dim=t.head_dim,
+        max_position_embeddings=t.max_position_embeddings,
+        rms_norm_eps=t.rms_norm_eps,
+        hidden_act=t.hidden_act,
+        vocab_size=t.vocab_size,
+        attention_bias=t.attention_bias,
+        bos_token_id=special["<|endoftext|>"],
+        eos_token_id=special["<|im_end|>"],
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": t.rope_theta,
+            "mrope_section": list(t.mrope_section),
+            "mrope_interleaved": t.mrope_interleaved,
+        },
+    )
+    if moe:
+        text.update(
+            num_experts=t.num_experts,
+            num_experts_per_tok=t.num_experts_per_tok,
+            moe_intermediate_size=t.moe_intermediate_size,
+            decoder_sparse_step=t.decoder_sparse_step,
+            mlp_only_layers=list(t.mlp_only_layers),
+            tie_word_embeddings=t.tie_word_embeddings,
+        )
+    config_class = transformers.Qwen3VLMoeConfig if moe else transformers.Qwen3VLConfig
+    config = config_class(
+        text_config=text,
+        vision_config=dict(
+            depth=v.depth,
+            hidden_size=v.hidden_size,
+            intermediate_size=v.intermediate_size,
+            num_heads=v.num_heads,
+            out_hidden_size=v.out_hidden_size,
+            patch_size=v.patch_size,
+            spatial_merge_size=v.spatial_merge_size,
+            temporal_patch_size=v.temporal_patch_size,
+            in_channels=v.in_channels,
+            hidden_act=v.hidden_act,
+            num_position_embeddings=v.num_position_embeddings,
+            deepstack_visual_indexes=list(v.deepstack_visual_indexes),
+        ),
+        image_token_id=special["<|image_pad|>"],
+        video_token_id=special["<|video_pad|>"],
+        vision_start_token_id=special["<|vision_start|>"],
+        vision_end_token_id=special["<|vision_end|>"],
+        tie_word_embeddings=t.tie_word_embeddings,
+    )
+    config.text_config.initializer_range = preset.initializer_range
+    config.vision_config.initializer_range = preset.initializer_range
+    config.initializer_range = preset.initializer_range
+    return config
+
+
 _CONFIG_BUILDERS = {
     "Qwen2VLForConditionalGeneration": _qwen2_vl_config,
     "Qwen2_5_VLForConditionalGeneration": _qwen2_5_vl_config,
+    "Qwen3VLForConditionalGeneration": _qwen3_vl_config,
+    "Qwen3VLMoeForConditionalGeneration": _qwen3_vl_config,
 }
 
 

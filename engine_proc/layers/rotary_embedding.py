@@ -30,11 +30,25 @@ def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     return x
 
 
+def _axis_of_freq(mrope_section: tuple[int, int, int], interleaved: bool) -> torch.Tensor:
+    """int64 [head_dim/2]: the position axis (0 t, 1 h, 2 w) of each rotary frequency."""
+    if not interleaved:
+        return torch.repeat_interleave(
+            torch.arange(3, device="cpu"), torch.tensor(mrope_section, device="cpu"))
+    freq = torch.arange(sum(mrope_section), device="cpu")
+    axis = torch.zeros_like(freq)
+    for a in (1, 2):
+        axis[(freq % 3 == a) & (freq < 3 * mrope_section[a])] = a
+    return axis
+
+
 class MRotaryEmbedding(nn.Module):
-    """Multimodal RoPE of the Qwen2-VL decoder.
+    """Multimodal RoPE of the Qwen2-VL and Qwen3-VL decoders.
 
     Each frequency of the head takes its position from one of the three axes (temporal,
-    height, width): the first mrope_section[0] frequencies from axis 0, and so on.
+    height, width). Qwen2-VL: the first mrope_section[0] frequencies from axis 0, and so
+    on. Qwen3-VL (`interleaved`): frequencies cycle t, h, w, h and w each stopping after
+    their section, the rest from t.
     """
 
     def __init__(
@@ -45,6 +59,7 @@ class MRotaryEmbedding(nn.Module):
         mrope_section: tuple[int, int, int],
         device: torch.device,
         dtype: torch.dtype,
+        interleaved: bool = False,
     ) -> None:
         super().__init__()
         half = head_dim // 2
@@ -58,10 +73,7 @@ class MRotaryEmbedding(nn.Module):
         # Plain attributes, not buffers: they keep their dtype when the module is cast.
         self.cos_table = freqs.cos().to(device=device, dtype=dtype).reshape(-1)
         self.sin_table = freqs.sin().to(device=device, dtype=dtype).reshape(-1)
-        axis = torch.repeat_interleave(
-            torch.arange(3, device="cpu"), torch.tensor(mrope_section, device="cpu")
-        )
-        self.axis_of_freq = axis.to(device)
+        self.axis_of_freq = _axis_of_freq(mrope_section, interleaved).to(device)
         self.freq_index = torch.arange(half, device=device)[:, None]
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

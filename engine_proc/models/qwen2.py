@@ -46,10 +46,14 @@ class Qwen2MLP(nn.Module):
 
 
 class Qwen2DecoderLayer(nn.Module):
-    def __init__(self, cfg: TextConfig) -> None:
+    """Pre-norm attention + MLP block. Qwen3 passes its own attention and MLP (or MoE)."""
+
+    def __init__(
+        self, cfg: TextConfig, self_attn: nn.Module | None = None, mlp: nn.Module | None = None
+    ) -> None:
         super().__init__()
-        self.self_attn = Qwen2Attention(cfg)
-        self.mlp = Qwen2MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.self_attn = self_attn if self_attn is not None else Qwen2Attention(cfg)
+        self.mlp = mlp if mlp is not None else Qwen2MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -14,6 +14,10 @@ _CLASSES = {
         "engine_proc.models.qwen2_vl", "Qwen2VLForConditionalGeneration"),
     "Qwen2_5_VLForConditionalGeneration": (
         "engine_proc.models.qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "Qwen3VLForConditionalGeneration": (
+        "engine_proc.models.qwen3_vl", "Qwen3VLForConditionalGeneration"),
+    "Qwen3VLMoeForConditionalGeneration": (
+        "engine_proc.models.qwen3_vl", "Qwen3VLMoeForConditionalGeneration"),
 }
 
 

@@ -11,7 +11,7 @@ from engine_proc.image_processor import pixels_to_patches
 from engine_proc.layers.attention import Attention
 from shared.model_config import ModelConfig, load_model_config
 from shared.tiny_checkpoint import ensure_checkpoint
-from tests.engine_proc.families import CASE_IDS, CASES
+from tests.engine_proc.families import MODEL_CASE_IDS, MODEL_CASES
 
 # ---- model tests (test_model_*.py), one run per family case (families.py) -----------------
 
@@ -224,7 +224,7 @@ def _perturbed_checkpoint(src: Path, dst: Path) -> Path:
     return dst
 
 
-@pytest.fixture(scope="session", params=CASES, ids=CASE_IDS)
+@pytest.fixture(scope="session", params=MODEL_CASES, ids=MODEL_CASE_IDS)
 def family_checkpoint(request) -> Path:
     """The unperturbed tiny checkpoint of each family case (generated once into the cache)."""
     return ensure_checkpoint(request.param)

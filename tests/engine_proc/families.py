@@ -1,5 +1,5 @@
-"""The model cases every parity test runs over (model-level in test_model_*.py, engine-level
-in test_engine.py): one tiny checkpoint each, named by its Preset.
+"""The model cases the parity tests run over (engine-level in test_engine.py: CASES;
+model-level through conftest's harness: MODEL_CASES): one tiny checkpoint each, named by its Preset.
 
 A family joins by adding its tiny preset(s) to CASES: `preset.architecture` is both the
 transformers class the tests compare against and the key of engine_proc/models/registry.py.
@@ -10,7 +10,7 @@ min_pixels (56*56) at most 4 merge units of the preset's patches.
 from __future__ import annotations
 
 from shared.model_config import TextConfig, VisionConfig
-from shared.tiny_checkpoint import TINY, TINY_QWEN2_VL, Preset
+from shared.tiny_checkpoint import TINY, TINY_QWEN2_VL, TINY_QWEN3_VL, TINY_QWEN3_VL_MOE, Preset
 
 # Qwen2-VL in another shape: other head counts (and GQA ratio), depths, patch and merge
 # sizes, rope sections; tied embeddings. Test-only, so not in PRESETS.
@@ -48,8 +48,13 @@ TINY_QWEN2_VL_B = Preset(
     architecture="Qwen2VLForConditionalGeneration",
 )
 
-CASES = [TINY, TINY_QWEN2_VL, TINY_QWEN2_VL_B]
+CASES = [TINY, TINY_QWEN2_VL, TINY_QWEN2_VL_B, TINY_QWEN3_VL, TINY_QWEN3_VL_MOE]
 CASE_IDS = [preset.name for preset in CASES]
+# Model-level parity through conftest's VLHarness (test_model_parity.py, test_model_vision.py,
+# test_model_mrope.py). Qwen3-VL's tower and DeepStack have their own model-level checks in
+# test_model_qwen3_vl.py; its engine-level parity runs over CASES like every family.
+MODEL_CASES = [TINY, TINY_QWEN2_VL, TINY_QWEN2_VL_B]
+MODEL_CASE_IDS = [preset.name for preset in MODEL_CASES]
 
 # The families served end to end in the e2e and soak tests, beside the default model.
-SERVED_FAMILIES = [TINY_QWEN2_VL]
+SERVED_FAMILIES = [TINY_QWEN2_VL, TINY_QWEN3_VL, TINY_QWEN3_VL_MOE]

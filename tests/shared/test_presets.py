@@ -50,7 +50,7 @@ def _shrunk(preset):
 
 
 def test_presets_have_the_published_shapes():
-    assert set(PRESETS) == {"tiny", "tiny-qwen2-vl", "3b", "7b"}
+    assert set(PRESETS) == {"tiny", "tiny-qwen2-vl", "tiny-qwen3-vl", "tiny-qwen3-vl-moe", "3b", "7b"}
     t3, v3 = QWEN2_5_VL_3B.text, QWEN2_5_VL_3B.vision
     assert (t3.hidden_size, t3.intermediate_size, t3.num_hidden_layers) == (2048, 11008, 36)
     assert (t3.num_attention_heads, t3.num_key_value_heads, t3.head_dim) == (16, 2, 128)

@@ -1,0 +1,95 @@
+"""Qwen3 decoder with interleaved multimodal RoPE and DeepStack (the language model of
+Qwen3-VL, dense or MoE)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine_proc.context import get_context
+from engine_proc.layers.attention import Attention, build_attention_metadata
+from engine_proc.layers.linear import MergedLinear
+from engine_proc.layers.rms_norm import RMSNorm
+from engine_proc.layers.rotary_embedding import MRotaryEmbedding, apply_rotary_
+from engine_proc.models.qwen2 import Qwen2DecoderLayer, Qwen2MLP
+from engine_proc.models.qwen3_moe import SparseMoeBlock
+from shared.model_config import TextConfig
+
+
+class Qwen3Attention(nn.Module):
+    """Qwen2's attention with an RMSNorm over each head of q and k (before the rotary) and
+    no q/k/v biases by default."""
+
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        bias = cfg.attention_bias
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta) -> torch.Tensor:
+        heads = self.num_heads + 2 * self.num_kv_heads
+        qkv = self.qkv_proj(x).view(x.shape[0], heads, self.head_dim)
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        q = apply_rotary_(self.q_norm(q), cos, sin)
+        k = apply_rotary_(self.k_norm(k), cos, sin)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+def _mlp(cfg: TextConfig, index: int) -> nn.Module:
+    if cfg.is_moe_layer(index):
+        return SparseMoeBlock(cfg)
+    return Qwen2MLP(cfg.hidden_size, cfg.intermediate_size)
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, cfg: TextConfig, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.hidden_size = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([
+            Qwen2DecoderLayer(cfg, Qwen3Attention(cfg), _mlp(cfg, i))
+            for i in range(cfg.num_hidden_layers)
+        ])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = MRotaryEmbedding(
+            cfg.head_dim,
+            cfg.max_position_embeddings,
+            cfg.rope_theta,
+            cfg.mrope_section,
+            device=device,
+            dtype=dtype,
+            interleaved=cfg.mrope_interleaved,
+        )
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        deepstack: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """inputs_embeds [T, H], positions int64 [3, T], deepstack [T, k * H] or None: added
+        to the hidden states after each of the first k layers (zeros on text rows, so
+        adding it to every row leaves those rows exactly as they were)."""
+        first = self.layers[0].self_attn.attn
+        block_size = first.k_cache.shape[1] if first.k_cache.numel() else 0
+        meta = build_attention_metadata(
+            get_context(), inputs_embeds.shape[0], block_size, inputs_embeds.dtype
+        )
+        cos, sin = self.rotary_emb(positions)
+        num_deepstack = 0 if deepstack is None else deepstack.shape[1] // self.hidden_size
+        x, residual = inputs_embeds, None
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, cos, sin, meta)
+            if i < num_deepstack:
+                h = self.hidden_size
+                x, residual = x + residual + deepstack[:, i * h : (i + 1) * h], None
+        x, _ = self.norm(x, residual)
+        return x

@@ -1,0 +1,71 @@
+"""Sparse mixture-of-experts MLP of the Qwen3(-VL) MoE decoder.
+
+A softmax router picks each token's top-k experts; their weights are renormalized to sum
+to one (norm_topk_prob). Expert weights are fused per layer, in transformers 5's layout:
+gate_up_proj [experts, 2 * inter, hidden], down_proj [experts, hidden, inter].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.model_config import TextConfig
+
+
+class FusedExperts(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def load_tensor(self, key: str, param: torch.Tensor, tensor: torch.Tensor) -> None:
+        """Published checkpoints store each expert's matrices transposed ([hidden, 2 * inter],
+        [inter, hidden]); transformers 5 saves its own layout. A tensor that fits as it is
+        is taken as it is, as transformers does."""
+        if tensor.shape != param.shape:
+            tensor = tensor.transpose(1, 2)
+        if tensor.shape != param.shape:
+            raise ValueError(f"{key}: shape {tuple(tensor.shape)} fits neither {tuple(param.shape)} "
+                             "nor its per-expert transpose")
+        param.copy_(tensor)
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden], experts int64 [T, k], weights [T, k] -> weighted sum [T, hidden].
+        Tokens are grouped by expert (a stable sort) and each expert that got tokens runs one
+        gate/up and one down matmul; the counts come to the host once per layer."""
+        top_k = experts.shape[1]
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tokens = order // top_k
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = tokens[start : start + count]
+            gate, up = F.linear(x[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            h = F.linear(F.silu(gate) * up, self.down_proj[expert])
+            h = h * weights.reshape(-1)[order[start : start + count], None]
+            out.index_add_(0, rows, h)
+            start += count
+        return out
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.renormalize = cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = FusedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return self.experts(x, experts, weights.to(x.dtype))
