@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from shared.model_config import TextConfig, VisionConfig
 from shared.tiny_checkpoint import TINY, TINY_QWEN2_VL, TINY_QWEN3_VL, TINY_QWEN3_VL_MOE, Preset
+from tests.engine_proc.qwen3_vl_checkpoints import SHAPES as QWEN3_VL_SHAPES
 
 # Qwen2-VL in another shape: other head counts (and GQA ratio), depths, patch and merge
 # sizes, rope sections; tied embeddings. Test-only, so not in PRESETS.
@@ -48,7 +49,9 @@ TINY_QWEN2_VL_B = Preset(
     architecture="Qwen2VLForConditionalGeneration",
 )
 
-CASES = [TINY, TINY_QWEN2_VL, TINY_QWEN2_VL_B, TINY_QWEN3_VL, TINY_QWEN3_VL_MOE]
+QWEN3_VL_B = QWEN3_VL_SHAPES["dense-b"]
+
+CASES = [TINY, TINY_QWEN2_VL, TINY_QWEN2_VL_B, TINY_QWEN3_VL, QWEN3_VL_B, TINY_QWEN3_VL_MOE]
 CASE_IDS = [preset.name for preset in CASES]
 # Model-level parity through conftest's VLHarness (test_model_parity.py, test_model_vision.py,
 # test_model_mrope.py). Qwen3-VL's tower and DeepStack have their own model-level checks in

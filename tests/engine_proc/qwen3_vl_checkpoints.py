@@ -1,6 +1,8 @@
-"""Perturbed Qwen3-VL checkpoints for the Qwen3-VL model and engine tests: two shapes, the
-dense preset (patch 16, merge 2) and the MoE preset with its vision tower at patch 14,
-merge 3 (other heads, depths, rope sections, a dense MLP layer among the MoE ones)."""
+"""Perturbed Qwen3-VL checkpoints for the Qwen3-VL model and engine tests: the dense preset
+(patch 16, merge 2), a second dense shape (other heads and head_dim, depths, patch 14,
+merge 3, rope sections, DeepStack taps, tied embeddings), and the MoE preset with its
+vision tower at patch 14, merge 3 (other heads, depths, rope sections, a dense MLP layer
+among the MoE ones)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,17 @@ from shared.tiny_checkpoint import TINY_QWEN3_VL, TINY_QWEN3_VL_MOE, Preset, wri
 
 SHAPES = {
     "dense": TINY_QWEN3_VL,
+    "dense-b": replace(
+        TINY_QWEN3_VL,
+        name="tiny-qwen3-vl-b",
+        initializer_range=0.08,  # at 0.05 greedy decoding repeats one token: a weak check
+        text=replace(TINY_QWEN3_VL.text, hidden_size=192, intermediate_size=384,
+                     num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                     head_dim=32, mrope_section=(8, 4, 4), tie_word_embeddings=True),
+        vision=replace(TINY_QWEN3_VL.vision, depth=4, hidden_size=96, intermediate_size=192,
+                       num_heads=3, out_hidden_size=192, patch_size=14, spatial_merge_size=3,
+                       num_position_embeddings=49, deepstack_visual_indexes=(0, 2)),
+    ),
     "moe": replace(
         TINY_QWEN3_VL_MOE,
         name="moe-p14-m3",

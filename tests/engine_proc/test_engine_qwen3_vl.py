@@ -20,7 +20,8 @@ from tests.engine_proc.qwen3_vl_checkpoints import SHAPES, hf_class, perturbed_c
 
 MAX_TOKENS = 10
 # per shape: a small and a large image (pixels), sides multiples of patch * merge
-SIZES = {"dense": ((64, 96), (160, 224)), "moe": ((84, 126), (168, 252))}
+SIZES = {"dense": ((64, 96), (160, 224)), "dense-b": ((84, 126), (168, 252)),
+         "moe": ((84, 126), (168, 252))}
 
 
 class Checkpoint:

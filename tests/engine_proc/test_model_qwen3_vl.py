@@ -27,6 +27,7 @@ ATOL = 1e-3
 # per shape: (one image grid, two grids of different sizes), sides multiples of the merge
 GRIDS = {
     "dense": ((1, 8, 12), ((1, 10, 14), (1, 6, 4))),
+    "dense-b": ((1, 9, 12), ((1, 6, 15), (1, 3, 9))),
     "moe": ((1, 6, 9), ((1, 12, 6), (1, 3, 6))),
 }
 
