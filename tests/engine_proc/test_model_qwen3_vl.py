@@ -325,10 +325,14 @@ def test_presets_load_in_flatserve_and_transformers(preset, tmp_path):
     assert torch.equal(hf.model.visual.pos_embed.weight, model.visual.pos_embed.weight)
 
 
+@pytest.mark.parametrize("path", ["grouped", "looped"])
 @pytest.mark.parametrize("num_tokens", [0, 1, 3, 40])
-def test_sparse_moe_block_matches_hf(num_tokens):
+def test_sparse_moe_block_matches_hf(num_tokens, path, monkeypatch):
     """Routing, renormalized top-k weights and the expert sums, for batches where some
-    experts get no token (or none does)."""
+    experts get no token (or none does), through the grouped GEMM and the expert loop."""
+    from engine_proc.models import qwen3_moe
+
+    monkeypatch.setattr(qwen3_moe, "can_group", lambda x: path == "grouped")
     from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import (
         Qwen3VLMoeTextConfig,
     )
