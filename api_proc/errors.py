@@ -85,7 +85,10 @@ def format_validation_errors(errors: list[dict]) -> str:
     parts = []
     for e in errors[:8]:
         loc = ".".join(str(x) for x in e.get("loc", ()) if x not in ("body",))
-        parts.append(f"{loc}: {e.get('msg', 'invalid')}" if loc else e.get("msg", "invalid"))
+        msg = e.get("msg", "invalid").removeprefix("Value error, ")
+        if e.get("type") == "extra_forbidden":
+            msg = "not supported by this server"
+        parts.append(f"{loc}: {msg}" if loc else msg)
     if len(errors) > 8:
         parts.append(f"... and {len(errors) - 8} more")
     return "; ".join(parts)

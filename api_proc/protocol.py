@@ -1,18 +1,21 @@
 """OpenAI-compatible request and response bodies (chat completions, completions, models).
 
-Requests ignore fields flatserve does not use (clients send many optional ones) but refuse
-features it cannot honour (tools, logprobs) instead of silently dropping them.
+Requests refuse every field flatserve does not implement, by name (400), instead of
+accepting and dropping it. Fields of the OpenAI API (and vLLM's extensions) that clients
+send at their neutral value (`presence_penalty: 0`, `response_format: {type: text}`,
+`logprobs: false`, ...) are accepted at that value only; `user` and `metadata` are accepted
+and not used.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
 
 class _Body(BaseModel):
@@ -56,6 +59,22 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+# field -> the values that ask for nothing (None always does)
+_NEUTRAL: dict[str, tuple] = {
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (True, False),  # meaningless without tools, which are refused
+    "response_format": ({"type": "text"},),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+    "logit_bias": ({},),
+    "min_tokens": (0,),
+}
+
+
 class _SamplingRequest(_Request):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -70,8 +89,19 @@ class _SamplingRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    # Not implemented: accepted only at the neutral value a client may send (_NEUTRAL).
     logprobs: bool | int | None = None
+    top_logprobs: int | None = None
     tools: list | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict | None = None
+    min_tokens: int | None = None
 
     @field_validator("stop")
     @classmethod
@@ -85,13 +115,12 @@ class _SamplingRequest(_Request):
             raise ValueError("stop strings must not be empty")
         return stops
 
-    @model_validator(mode="after")
-    def _unsupported(self):
-        if self.logprobs:
-            raise ValueError("logprobs are not supported")
-        if self.tools:
-            raise ValueError("tools are not supported")
-        return self
+    @field_validator(*_NEUTRAL)
+    @classmethod
+    def _unsupported(cls, value, info: ValidationInfo):
+        if value is not None and value not in _NEUTRAL[info.field_name]:
+            raise ValueError("not supported by this server (only its neutral value is accepted)")
+        return value
 
     @property
     def include_usage(self) -> bool:

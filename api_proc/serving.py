@@ -83,8 +83,11 @@ def _parse(model: type[pydantic.BaseModel], body: bytes):
     try:
         return model.model_validate_json(body)
     except pydantic.ValidationError as e:
-        message = format_validation_errors(e.errors(include_input=False, include_url=False))
-    raise BadRequest(message)  # outside the except: no traceback pins the body (R1)
+        errors = e.errors(include_input=False, include_url=False)
+        message = format_validation_errors(errors)
+        loc = errors[0].get("loc") if errors else None
+        param = str(loc[0]) if loc else None
+    raise BadRequest(message, param=param)  # outside the except: no traceback pins the body (R1)
 
 
 async def _settle(coros) -> list:

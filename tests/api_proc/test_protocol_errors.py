@@ -89,3 +89,30 @@ def test_numbers_that_cannot_reach_the_engine_are_refused(field, value):
     with pytest.raises(ValidationError):
         ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
                                               field: value})
+
+
+@pytest.mark.parametrize("field, value", [
+    ("response_format", {"type": "json_object"}), ("presence_penalty", 0.5),
+    ("frequency_penalty", -1.0), ("repetition_penalty", 1.2), ("min_tokens", 3),
+    ("logit_bias", {"12": 5}), ("logprobs", True), ("top_logprobs", 2),
+    ("tool_choice", "auto"), ("guided_json", {"type": "object"}), ("chat_template_kwargs", {}),
+])
+def test_a_field_the_server_does_not_honour_is_refused_by_name(field, value):
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate(
+            {"messages": [{"role": "user", "content": "x"}], field: value})
+    message = format_validation_errors(e.value.errors(include_input=False))
+    assert message.startswith(f"{field}: not supported by this server")
+
+
+def test_neutral_values_and_harmless_fields_are_accepted():
+    ChatCompletionRequest.model_validate({
+        "messages": [{"role": "user", "content": "x"}], "presence_penalty": 0,
+        "frequency_penalty": 0.0, "repetition_penalty": 1.0, "response_format": {"type": "text"},
+        "logprobs": False, "tools": [], "tool_choice": "none", "logit_bias": {}, "min_tokens": 0,
+        "user": "u", "metadata": {"k": "v"}})
+    for nested in ({"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+                   {"messages": [{"role": "user", "content": "x", "tool_call_id": "t"}]}):
+        with pytest.raises(ValidationError):
+            ChatCompletionRequest.model_validate(
+                {"messages": [{"role": "user", "content": "x"}], **nested})
