@@ -35,7 +35,7 @@ class ImageSpan:
         self.length = length  # number of placeholder tokens
         self.hidden: torch.Tensor | None = None  # vision hidden states between stages
         self.stages_done = 0
-        self.embeds: torch.Tensor | None = None  # [length, hidden] on the model's device
+        self.embeds: torch.Tensor | None = None  # [length, hidden * (1 + DeepStack taps)], device
 
     @property
     def end(self) -> int:

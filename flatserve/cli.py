@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
 
     make = sub.add_parser("make-model", help="write a random-weight checkpoint and print its folder")
     make.add_argument("--preset", choices=list(PRESETS), default="tiny",
-                      help="tiny: the default model; tiny-qwen2-vl: a tiny Qwen2-VL; "
+                      help="tiny: the default model (Qwen2.5-VL); tiny-qwen2-vl, tiny-qwen3-vl, "
+                      "tiny-qwen3-vl-moe: tiny models of the other families; "
                       "3b, 7b: Qwen2.5-VL-3B/7B shapes, bf16")
     make.add_argument("--out", help="write a fresh copy into this folder instead of the cache")
     argv = sys.argv[1:] if argv is None else argv

@@ -5,9 +5,10 @@ to one (norm_topk_prob). Expert weights are fused per layer, in transformers 5's
 gate_up_proj [experts, 2 * inter, hidden], down_proj [experts, hidden, inter].
 
 Tokens are grouped by expert and every expert's rows go through one grouped GEMM
-(torch.nn.functional.grouped_mm: float32 on the CPU, bfloat16 on CUDA GPUs of compute
-capability 8.0 and up), with no host sync; elsewhere a loop over the experts that received
-tokens, which reads the per-expert counts on the host once per layer.
+(torch.nn.functional.grouped_mm) with no host sync: float32 on the CPU, bfloat16 on CUDA
+GPUs of compute capability 9.0 and up (torch's grouped kernels; on older GPUs grouped_mm
+itself loops on the host) with 16-byte aligned rows. Elsewhere a loop over the experts that
+received tokens, which reads the per-expert counts on the host once per layer.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class FusedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], experts int64 [T, k], weights [T, k] -> weighted sum [T, hidden]."""
-        if can_group(x):
+        if can_group(x, self.down_proj.shape[2]):
             return self.grouped(x, experts, weights)
         return self.looped(x, experts, weights)
 
@@ -50,8 +51,10 @@ class FusedExperts(nn.Module):
         top_k = experts.shape[1]
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        offsets = torch.cumsum(torch.bincount(flat, minlength=self.num_experts), 0)
-        offsets = offsets.to(torch.int32)
+        # counted by scatter_add: bincount reads its input's range back to the host on CUDA
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         tokens = order // top_k
         rows = x.index_select(0, tokens)
         gate, up = F.grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
@@ -81,14 +84,16 @@ class FusedExperts(nn.Module):
         return out
 
 
-def can_group(x: torch.Tensor) -> bool:
-    """Whether F.grouped_mm runs for x's device and dtype."""
+def can_group(x: torch.Tensor, intermediate_size: int) -> bool:
+    """Whether F.grouped_mm runs without a host sync for x's device, dtype and row widths."""
     if not hasattr(F, "grouped_mm"):
         return False
     if x.device.type == "cpu":
         return x.dtype == torch.float32
     if x.device.type == "cuda":
-        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 8
+        aligned = x.shape[1] % 8 == 0 and intermediate_size % 8 == 0  # 16-byte bf16 rows
+        return (x.dtype == torch.bfloat16 and aligned
+                and torch.cuda.get_device_capability(x.device)[0] >= 9)
     return False
 
 

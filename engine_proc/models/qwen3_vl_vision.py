@@ -189,7 +189,7 @@ class Qwen3VisionTransformer(nn.Module):
     @property
     def stages(self) -> list[tuple[int, int]]:
         """The pieces a large image is encoded in over several steps (every block is full
-        attention: near-equal runs, 27 blocks -> 7, 7, 7, 6)."""
+        attention: near-equal runs, 27 blocks -> 7, 7, 6, 7)."""
         depth = len(self.blocks)
         return stage_bounds(depth, frozenset(range(depth)))
 

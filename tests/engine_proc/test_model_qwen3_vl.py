@@ -332,7 +332,7 @@ def test_sparse_moe_block_matches_hf(num_tokens, path, monkeypatch):
     experts get no token (or none does), through the grouped GEMM and the expert loop."""
     from engine_proc.models import qwen3_moe
 
-    monkeypatch.setattr(qwen3_moe, "can_group", lambda x: path == "grouped")
+    monkeypatch.setattr(qwen3_moe, "can_group", lambda x, width: path == "grouped")
     from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import (
         Qwen3VLMoeTextConfig,
     )
@@ -375,3 +375,28 @@ def test_interleaved_mrope_tables_match_hf(section):
     ours_cos, ours_sin = ours(positions)
     torch.testing.assert_close(ours_cos, cos[0, :, : head_dim // 2], atol=1e-6, rtol=0)
     torch.testing.assert_close(ours_sin, sin[0, :, : head_dim // 2], atol=1e-6, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("num_tokens", [0, 1, 3, 300])
+def test_grouped_experts_on_cuda_bf16_equal_the_loop(num_tokens):
+    """The path a GPU serves MoE with (grouped GEMMs in bfloat16) against the expert loop."""
+    from engine_proc.models import qwen3_moe
+
+    t = replace(TINY_QWEN3_VL_MOE.text, hidden_size=256, moe_intermediate_size=128,
+                num_experts=8, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    block = qwen3_moe.SparseMoeBlock(t).cuda().to(torch.bfloat16)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    x = torch.randn(num_tokens, t.hidden_size, device="cuda", dtype=torch.bfloat16)
+    probs = torch.softmax(block.gate(x).float(), dim=-1)
+    weights, experts = torch.topk(probs, t.num_experts_per_tok, dim=-1)
+    weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+    with torch.no_grad():
+        looped = block.experts.looped(x, experts, weights)
+        if not qwen3_moe.can_group(x, t.moe_intermediate_size):
+            pytest.skip("this GPU serves MoE through the loop")
+        grouped = block.experts.grouped(x, experts, weights)
+    torch.testing.assert_close(grouped.float(), looped.float(), atol=2e-2, rtol=2e-2)
