@@ -23,14 +23,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_proc.layers.activation import activation
 from engine_proc.layers.rotary_embedding import VisionRotaryEmbedding
 from engine_proc.models.vision_tower import (
     CACHED_LAYOUT_MAX_PATCHES,
     VISION_ROPE_THETA,
     Grids,
+    PatchEmbed,
     VisionAttention,
     patch_positions,
     stage_bounds,
+    to_device,
 )
 from shared.model_config import VisionConfig
 
@@ -84,33 +87,15 @@ def frame_interpolation(h: int, w: int, merge: int, side: int) -> tuple[torch.Te
     return (_cached_interpolation if small else _frame_interpolation)(h, w, merge, side)
 
 
-def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
-
-
-class PatchEmbed(nn.Module):
-    """Conv3d with kernel == stride and a bias, run as the equivalent matmul."""
-
-    def __init__(self, cfg: VisionConfig) -> None:
-        super().__init__()
-        p, t = cfg.patch_size, cfg.temporal_patch_size
-        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, (t, p, p), stride=(t, p, p))
-
-    def forward(self, patches: torch.Tensor) -> torch.Tensor:
-        weight = self.proj.weight
-        return F.linear(patches.to(weight.dtype), weight.view(weight.shape[0], -1), self.proj.bias)
-
-
 class VisionMLP(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         self.linear_fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
         self.linear_fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.act = activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(F.gelu(self.linear_fc1(x), approximate="tanh"))
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
 
 
 class Qwen3VisionAttention(VisionAttention):
@@ -161,14 +146,12 @@ class PatchMerger(nn.Module):
 class Qwen3VisionTransformer(nn.Module):
     def __init__(self, cfg: VisionConfig, device: torch.device, max_side: int = 256) -> None:
         super().__init__()
-        if cfg.hidden_act != "gelu_pytorch_tanh":
-            raise ValueError(f"Qwen3-VL vision hidden_act {cfg.hidden_act!r} is not implemented")
         self.cfg = cfg
         self.merge = cfg.spatial_merge_size
         self.width = cfg.hidden_size
         self.side = int(cfg.num_position_embeddings**0.5)
         self.device = torch.device(device)
-        self.patch_embed = PatchEmbed(cfg)
+        self.patch_embed = PatchEmbed(cfg, bias=True)
         self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
         self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.depth)])
         self.merger = PatchMerger(cfg, postshuffle=False)
@@ -210,8 +193,8 @@ class Qwen3VisionTransformer(nn.Module):
             frame_taps, frame_weights = frame_interpolation(int(h), int(w), self.merge, self.side)
             taps += [frame_taps] * int(t)
             weights += [frame_weights] * int(t)
-        taps = _to_device(torch.cat(taps), self.device)
-        weights = _to_device(torch.cat(weights), self.device)
+        taps = to_device(torch.cat(taps), self.device)
+        weights = to_device(torch.cat(weights), self.device)
         pos = (self.pos_embed(taps) * weights[:, :, None]).sum(1)
         return x + pos.to(x.dtype)
 
@@ -236,7 +219,7 @@ class Qwen3VisionTransformer(nn.Module):
         grids = tuple(tuple(int(v) for v in g) for g in grids)
         self.rotary.ensure_side(max(max(h, w) for _, h, w in grids))
         pos_hw = torch.cat([frame_positions(h, w, self.merge) for t, h, w in grids for _ in range(t)])
-        cos, sin = self.rotary(_to_device(pos_hw, self.device))
+        cos, sin = self.rotary(to_device(pos_hw, self.device))
         sizes = tuple(t * h * w for t, h, w in grids)
         taken = []
         for i in range(first, end):

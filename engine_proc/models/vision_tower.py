@@ -40,8 +40,9 @@ def patch_positions(t: int, h: int, w: int, merge: int) -> np.ndarray:
     return np.tile(frame, (t, 1)).astype(np.int64)
 
 
-def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    tensor = torch.from_numpy(array)
+def to_device(array: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host array or tensor on `device`, pinned and copied without blocking on CUDA."""
+    tensor = torch.from_numpy(array) if isinstance(array, np.ndarray) else array
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
@@ -64,18 +65,19 @@ def stage_bounds(depth: int, full_attention: frozenset[int]) -> list[tuple[int, 
 
 
 class PatchEmbed(nn.Module):
-    """Conv3d with kernel == stride, run as the equivalent (much faster) matmul."""
+    """Conv3d with kernel == stride, run as the equivalent (much faster) matmul; Qwen3-VL's
+    has a bias."""
 
-    def __init__(self, cfg: VisionConfig) -> None:
+    def __init__(self, cfg: VisionConfig, bias: bool = False) -> None:
         super().__init__()
         p, t = cfg.patch_size, cfg.temporal_patch_size
         self.proj = nn.Conv3d(
-            cfg.in_channels, cfg.hidden_size, (t, p, p), stride=(t, p, p), bias=False
+            cfg.in_channels, cfg.hidden_size, (t, p, p), stride=(t, p, p), bias=bias
         )
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         weight = self.proj.weight
-        return F.linear(patches.to(weight.dtype), weight.view(weight.shape[0], -1))
+        return F.linear(patches.to(weight.dtype), weight.view(weight.shape[0], -1), self.proj.bias)
 
 
 class VisionAttention(nn.Module):
