@@ -400,3 +400,26 @@ def test_grouped_experts_on_cuda_bf16_equal_the_loop(num_tokens):
             pytest.skip("this GPU serves MoE through the loop")
         grouped = block.experts.grouped(x, experts, weights)
     torch.testing.assert_close(grouped.float(), looped.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_deepstack_taps_listed_out_of_block_order_match_hf(tmp_path_factory):
+    """Feature i comes from the i-th tapped block in block order, through the merger listed
+    with that block, whatever order the config lists the taps in."""
+    preset = replace(TINY_QWEN3_VL, name="tiny-qwen3-vl-unsorted-taps",
+                     vision=replace(TINY_QWEN3_VL.vision, deepstack_visual_indexes=(3, 1)))
+    path = perturbed_checkpoint(preset, tmp_path_factory)
+    model = Qwen3VLForConditionalGeneration(load_model_config(path), torch.device("cpu"),
+                                            torch.float32)
+    model.load_weights(path)
+    hf = hf_class(preset).from_pretrained(path, dtype=torch.float32).eval()
+    grid = (1, 8, 12)
+    pixels = torch.randint(0, 256, (8 * 16, 12 * 16, 3), dtype=torch.uint8,
+                           generator=torch.Generator().manual_seed(3))
+    patches = pixels_to_patches(pixels, grid, model.config.image)
+    with torch.no_grad():
+        out = hf.model.visual(patches, grid_thw=torch.tensor([grid]))
+        ours = model.visual(patches, (grid,))
+    width = model.config.text.hidden_size
+    for i, feature in enumerate([out.pooler_output, *out.deepstack_features]):
+        torch.testing.assert_close(ours[:, i * width : (i + 1) * width], feature,
+                                   atol=1e-4, rtol=1e-4)
