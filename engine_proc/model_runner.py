@@ -170,10 +170,7 @@ class ModelRunner:
         set_context(context)
         try:
             inputs_embeds, deepstack = self.embed(input_ids, batch)
-            if deepstack is None:
-                hidden = self.model(inputs_embeds, positions)
-            else:
-                hidden = self.model(inputs_embeds, positions, deepstack=deepstack)
+            hidden = self.model(inputs_embeds, positions, deepstack)
         finally:
             reset_context()
         del inputs_embeds, deepstack

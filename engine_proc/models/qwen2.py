@@ -76,10 +76,16 @@ class Qwen2DecoderLayer(nn.Module):
 
 
 class Qwen2Model(nn.Module):
+    """The decoder stack. Subclasses give their own layers (`make_layer`); DeepStack
+    features (Qwen3-VL) are added to the hidden states after the first k layers."""
+
     def __init__(self, cfg: TextConfig, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__()
+        self.hidden_size = cfg.hidden_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([Qwen2DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.layers = nn.ModuleList(
+            [self.make_layer(cfg, i) for i in range(cfg.num_hidden_layers)]
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = MRotaryEmbedding(
             cfg.head_dim,
@@ -88,18 +94,33 @@ class Qwen2Model(nn.Module):
             cfg.mrope_section,
             device=device,
             dtype=dtype,
+            interleaved=cfg.mrope_interleaved,
         )
 
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """inputs_embeds [T, H], positions int64 [3, T]; attention layout from the Context."""
+    def make_layer(self, cfg: TextConfig, index: int) -> nn.Module:
+        return Qwen2DecoderLayer(cfg)
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        deepstack: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """inputs_embeds [T, H], positions int64 [3, T], deepstack [T, k * H] or None: added
+        to the hidden states after each of the first k layers (zeros on text rows, so those
+        rows stay exactly as they were). Attention layout from the Context."""
         first = self.layers[0].self_attn.attn
         block_size = first.k_cache.shape[1] if first.k_cache.numel() else 0
         meta = build_attention_metadata(
             get_context(), inputs_embeds.shape[0], block_size, inputs_embeds.dtype
         )
         cos, sin = self.rotary_emb(positions)
+        h = self.hidden_size
+        num_deepstack = 0 if deepstack is None else deepstack.shape[1] // h
         x, residual = inputs_embeds, None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, cos, sin, meta)
+            if i < num_deepstack:
+                x, residual = x + residual + deepstack[:, i * h : (i + 1) * h], None
         x, _ = self.norm(x, residual)
         return x

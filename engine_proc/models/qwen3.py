@@ -6,12 +6,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine_proc.context import get_context
-from engine_proc.layers.attention import Attention, build_attention_metadata
+from engine_proc.layers.attention import Attention
 from engine_proc.layers.linear import MergedLinear
 from engine_proc.layers.rms_norm import RMSNorm
-from engine_proc.layers.rotary_embedding import MRotaryEmbedding, apply_rotary_
-from engine_proc.models.qwen2 import Qwen2DecoderLayer, Qwen2MLP
+from engine_proc.layers.rotary_embedding import apply_rotary_
+from engine_proc.models.qwen2 import Qwen2DecoderLayer, Qwen2MLP, Qwen2Model
 from engine_proc.models.qwen3_moe import SparseMoeBlock
 from shared.model_config import TextConfig
 
@@ -49,47 +48,6 @@ def _mlp(cfg: TextConfig, index: int) -> nn.Module:
     return Qwen2MLP(cfg.hidden_size, cfg.intermediate_size)
 
 
-class Qwen3Model(nn.Module):
-    def __init__(self, cfg: TextConfig, device: torch.device, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.hidden_size = cfg.hidden_size
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([
-            Qwen2DecoderLayer(cfg, Qwen3Attention(cfg), _mlp(cfg, i))
-            for i in range(cfg.num_hidden_layers)
-        ])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary_emb = MRotaryEmbedding(
-            cfg.head_dim,
-            cfg.max_position_embeddings,
-            cfg.rope_theta,
-            cfg.mrope_section,
-            device=device,
-            dtype=dtype,
-            interleaved=cfg.mrope_interleaved,
-        )
-
-    def forward(
-        self,
-        inputs_embeds: torch.Tensor,
-        positions: torch.Tensor,
-        deepstack: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """inputs_embeds [T, H], positions int64 [3, T], deepstack [T, k * H] or None: added
-        to the hidden states after each of the first k layers (zeros on text rows, so
-        adding it to every row leaves those rows exactly as they were)."""
-        first = self.layers[0].self_attn.attn
-        block_size = first.k_cache.shape[1] if first.k_cache.numel() else 0
-        meta = build_attention_metadata(
-            get_context(), inputs_embeds.shape[0], block_size, inputs_embeds.dtype
-        )
-        cos, sin = self.rotary_emb(positions)
-        num_deepstack = 0 if deepstack is None else deepstack.shape[1] // self.hidden_size
-        x, residual = inputs_embeds, None
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, cos, sin, meta)
-            if i < num_deepstack:
-                h = self.hidden_size
-                x, residual = x + residual + deepstack[:, i * h : (i + 1) * h], None
-        x, _ = self.norm(x, residual)
-        return x
+class Qwen3Model(Qwen2Model):
+    def make_layer(self, cfg: TextConfig, index: int) -> nn.Module:
+        return Qwen2DecoderLayer(cfg, Qwen3Attention(cfg), _mlp(cfg, index))

@@ -34,18 +34,6 @@ class Qwen3VLForConditionalGeneration(QwenVLForConditionalGeneration):
         hidden = self.visual.run_blocks(hidden, grids, first, end)
         return self.visual.merge_all(hidden) if stage == self.num_vision_stages - 1 else hidden
 
-    @torch.no_grad()
-    def forward(
-        self,
-        inputs_embeds: torch.Tensor,
-        positions: torch.Tensor,
-        deepstack: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """inputs_embeds [T, hidden], positions int64 [3, T], deepstack [T, k * hidden] (the
-        image rows' DeepStack features, zeros elsewhere) or None -> hidden [T, hidden].
-        Attention layout and KV cache slots come from engine_proc.context."""
-        return self.model(inputs_embeds, positions, deepstack)
-
 
 class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration):
     """The same model: the config's experts make the decoder's MLPs sparse."""

@@ -107,10 +107,16 @@ class QwenVLForConditionalGeneration(nn.Module):
         return self.visual.merger(hidden) if stage == self.num_vision_stages - 1 else hidden
 
     @torch.no_grad()
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """inputs_embeds [T, hidden], positions int64 [3, T] -> hidden [T, hidden].
-        Attention layout and KV cache slots come from engine_proc.context."""
-        return self.model(inputs_embeds, positions)
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        deepstack: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """inputs_embeds [T, hidden], positions int64 [3, T], deepstack [T, k * hidden] (a
+        Qwen3-VL step's image rows' DeepStack features, zeros elsewhere) or None -> hidden
+        [T, hidden]. Attention layout and KV cache slots come from engine_proc.context."""
+        return self.model(inputs_embeds, positions, deepstack)
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
