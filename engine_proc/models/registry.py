@@ -6,9 +6,10 @@ import importlib
 
 from torch import nn
 
-from shared.model_config import ARCHITECTURES, ModelConfig, UnsupportedModelError
+from shared.model_config import ModelConfig
 
-# architecture -> (module, class); imported on first use, so an engine loads only its own
+# architecture -> (module, class), for every key of shared.model_config.ARCHITECTURES (which
+# refuses any other when the config loads); imported on first use: an engine loads its own
 _CLASSES = {
     "Qwen2VLForConditionalGeneration": (
         "engine_proc.models.qwen2_vl", "Qwen2VLForConditionalGeneration"),
@@ -22,11 +23,5 @@ _CLASSES = {
 
 
 def model_class(config: ModelConfig) -> type[nn.Module]:
-    entry = _CLASSES.get(config.architecture)
-    if entry is None:
-        served = [name for name in ARCHITECTURES if name in _CLASSES]
-        raise UnsupportedModelError(
-            f"architecture {config.architecture} is not implemented yet; this build serves "
-            f"{', '.join(served)}")
-    module, name = entry
+    module, name = _CLASSES[config.architecture]
     return getattr(importlib.import_module(module), name)
