@@ -17,6 +17,7 @@ from engine_proc.models.mrope import compute_mrope_positions
 from engine_proc.scheduler import RequestRejected, ScheduledBatch, Scheduler
 from engine_proc.sequence import ImageSpan, Sequence
 from shared.engine_config import EngineConfig
+from shared.image_key import pixels_key
 from shared.messages import AddRequest, EngineStats, ErrorCode, ImageInput, RequestOutput
 from shared.model_config import ModelConfig, load_model_config
 
@@ -275,7 +276,8 @@ class LLMEngine:
                 raise RequestRejected(
                     f"image {i}: prompt lacks a run of {length} image tokens for it"
                 )
-            spans.append(ImageSpan(pixels, (t, h, w), int(run[0]), length))
+            key = image.key or pixels_key(pixels, (t, h, w))
+            spans.append(ImageSpan(pixels, (t, h, w), int(run[0]), length, key))
             cursor += length
         if cursor != len(placeholder):
             raise RequestRejected(

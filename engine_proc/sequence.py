@@ -23,12 +23,14 @@ class ImageSpan:
     encoded over several steps (see `Scheduler`) holds, between them, the vision tower's
     hidden states instead of its pixels."""
 
-    __slots__ = ("grid_thw", "offset", "length", "pixels", "hidden", "stages_done", "embeds",
-                 "__weakref__")
+    __slots__ = ("grid_thw", "offset", "length", "key", "pixels", "hidden", "stages_done",
+                 "embeds", "__weakref__")
 
     def __init__(
-        self, pixels: np.ndarray, grid_thw: tuple[int, int, int], offset: int, length: int
+        self, pixels: np.ndarray, grid_thw: tuple[int, int, int], offset: int, length: int,
+        key: bytes = b"",
     ):
+        self.key = key  # content key (shared/image_key.py): what caches look it up by
         self.pixels: np.ndarray | None = pixels
         self.grid_thw = grid_thw
         self.offset = offset  # prompt index of the first placeholder token

@@ -35,10 +35,13 @@ class ErrorCode(IntEnum):
 @dataclass
 class ImageInput:
     """One resized image: uint8 pixels of shape (H, W, 3); H and W are multiples of
-    patch_size * merge_size. grid_thw is (1, H // patch_size, W // patch_size)."""
+    patch_size * merge_size. grid_thw is (1, H // patch_size, W // patch_size).
+    `key` names the image's content (shared/image_key.py); empty, the engine hashes the
+    pixels itself. Caches key on it: same key, same embeddings."""
 
     pixels: np.ndarray
     grid_thw: tuple[int, int, int]
+    key: bytes = b""
 
     def __post_init__(self) -> None:
         self.grid_thw = tuple(self.grid_thw)
