@@ -14,13 +14,13 @@ from pathlib import Path
 from flatserve.soak.config import serve_command, split_passthrough
 from shared.config_args import opt
 
-WORKLOADS = ("text", "image", "mixed")
+WORKLOADS = ("text", "image", "mixed", "multi-turn")
 DEFAULT_CONCURRENCY = 8  # closed loop when neither --concurrency nor --request-rate is given
 MAX_DEFAULT_WARMUP = 8
 # what the JSON output records of the run's settings (never the API key)
 SETTINGS = ("workload", "num_requests", "warmup_requests", "prompt_len",
             "prompt_len_range", "output_len", "output_len_range", "image_size",
-            "images_per_request", "image_share", "temperature", "ignore_eos", "extra_body",
+            "images_per_request", "image_share", "turns", "temperature", "ignore_eos", "extra_body",
             "concurrency", "request_rate", "seed")
 
 
@@ -30,7 +30,9 @@ class BenchConfig:
                                      "http://127.0.0.1:8000) instead of starting flatserve")
     model: str | None = opt(None, "model name (default: the first id from GET /v1/models)")
     api_key: str | None = opt(None, "API key sent as 'Authorization: Bearer KEY'")
-    workload: str = opt("text", "request mix: text, image (every request) or mixed")
+    workload: str = opt("text", "request mix: text, image (every request), mixed, or "
+                                "multi-turn (conversations of --turns requests, each turn "
+                                "re-sending the conversation's image and history)")
     prompt_len: int = opt(256, "prompt length of text requests, in words of a short-word list "
                                "(about one token each)")
     prompt_len_range: float = opt(0.0, "draw prompt lengths uniformly in "
@@ -40,6 +42,11 @@ class BenchConfig:
     image_size: int = opt(448, "side of the square generated images, in pixels")
     images_per_request: int = opt(1, "images in each image request")
     image_share: float = opt(0.5, "share of requests with images in the mixed workload")
+    turns: int = opt(4, "turns of each multi-turn conversation, sent one after another")
+    baseline_args: tuple[str, ...] = opt(
+        (), "also run the same load against a server started with these arguments added "
+            "(e.g. '--no-enable-prefix-caching --encoder-cache-bytes 0'), first, and print "
+            "both side by side with ratios")
     temperature: float = opt(0.0, "sampling temperature")
     ignore_eos: bool = opt(False, "send 'ignore_eos': true (a vLLM extension) so every "
                                   "request generates exactly max_tokens")
@@ -82,6 +89,14 @@ class BenchConfig:
         for name in ("prompt_len", "output_len", "image_size", "num_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.turns < 1:
+            raise ValueError(f"turns must be at least 1, got {self.turns}")
+        if self.workload == "multi-turn" and self.num_requests % self.turns:
+            raise ValueError(f"the multi-turn workload sends whole conversations: num_requests "
+                             f"({self.num_requests}) must be a multiple of turns ({self.turns})")
+        if self.baseline_args and self.base_url is not None:
+            raise ValueError("baseline_args start a second server; they make no sense with "
+                             "base_url")
         for name in ("images_per_request", "warmup_requests"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
@@ -107,14 +122,33 @@ class BenchConfig:
         if self.base_url is not None and self.server_args:
             raise ValueError("arguments after '--' start a server; they make no sense with "
                              "base_url")
-        for name in ("server_args", "server_command"):
+        for name in ("server_args", "server_command", "baseline_args"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.base_url is not None:
             object.__setattr__(self, "base_url", self.base_url.rstrip("/"))
 
     @property
     def image_probability(self) -> float:
-        return {"text": 0.0, "image": 1.0, "mixed": self.image_share}[self.workload]
+        return {"text": 0.0, "image": 1.0, "mixed": self.image_share,
+                "multi-turn": 1.0}[self.workload]
+
+    @property
+    def unit_size(self) -> int:
+        """Requests sent one after another as one unit: a conversation's turns, or one."""
+        return self.turns if self.workload == "multi-turn" else 1
+
+    @property
+    def num_units(self) -> int:
+        return self.num_requests // self.unit_size
+
+    @property
+    def num_warmup_units(self) -> int:
+        return -(-self.warmup_requests // self.unit_size)
+
+    def with_server_args(self, extra: tuple[str, ...], label: str) -> BenchConfig:
+        """The same run against a server started with `extra` arguments added."""
+        return dataclasses.replace(self, server_args=(*self.server_args, *extra), label=label,
+                                   baseline_args=())
 
     def start_command(self, port: int | None) -> list[str]:
         return serve_command(self.server_command, self.server_args, port)
@@ -159,6 +193,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     add("--image-size", "image_size", type=int, metavar="PIXELS")
     add("--images-per-request", "images_per_request", type=int, metavar="N")
     add("--image-share", "image_share", type=float, metavar="F")
+    add("--turns", "turns", type=int, metavar="N")
+    add("--baseline-args", "baseline_args", type=shlex.split, metavar="ARGS")
     add("--temperature", "temperature", type=float, metavar="T")
     add("--ignore-eos", "ignore_eos", action="store_true")
     add("--extra-body", "extra_body", type=json.loads, metavar="JSON")
@@ -185,6 +221,7 @@ def parse_args(argv: list[str], prog: str | None = None) -> BenchConfig:
     argv, passthrough = split_passthrough(argv)
     values = vars(parser.parse_args(argv))
     values["server_command"] = tuple(values["server_command"] or ())
+    values["baseline_args"] = tuple(values["baseline_args"] or ())
     try:
         return BenchConfig(**values, server_args=tuple(passthrough))
     except ValueError as err:

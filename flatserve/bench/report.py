@@ -14,6 +14,8 @@ NAME_WIDTH = 22
 def describe_load(settings: dict) -> str:
     s = settings
     workload = f"{s['workload']} workload"
+    if s["workload"] == "multi-turn":
+        workload += f" ({s['turns']} turns each)"
     if s["workload"] != "image":
         length = f"prompt {s['prompt_len']} words"
         if s["prompt_len_range"]:
@@ -49,6 +51,9 @@ def format_table(result: BenchResult) -> str:
         describe_load(settings),
         f"{'(ms)':<{NAME_WIDTH}}" + "".join(f"{c:>10}" for c in COLUMNS),
         _row("TTFT", result.ttft_ms),
+        *([_row("  TTFT first turn", result.ttft_first_turn_ms),
+           _row("  TTFT later turns", result.ttft_later_turns_ms)]
+          if result.ttft_later_turns_ms is not None else []),
         _row("TPOT", result.tpot_ms),
         _row("ITL", result.itl_ms),
         _row("e2e latency", result.e2e_ms),
@@ -74,5 +79,37 @@ def format_table(result: BenchResult) -> str:
     return "\n".join(lines)
 
 
-def write_json(path: str | Path, result: BenchResult) -> None:
-    Path(path).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+# (row name, how to read it from a result, higher is better)
+_COMPARED = (
+    ("TTFT p50 (ms)", lambda r: r.ttft_ms["p50"], False),
+    ("TTFT p50, first turn", lambda r: (r.ttft_first_turn_ms or {}).get("p50"), False),
+    ("TTFT p50, later turns", lambda r: (r.ttft_later_turns_ms or {}).get("p50"), False),
+    ("TTFT p99 (ms)", lambda r: r.ttft_ms["p99"], False),
+    ("TPOT p50 (ms)", lambda r: r.tpot_ms["p50"], False),
+    ("e2e p50 (ms)", lambda r: r.e2e_ms["p50"], False),
+    ("requests/s", lambda r: r.requests_per_s, True),
+    ("output tokens/s", lambda r: r.output_tokens_per_s, True),
+)
+
+
+def format_comparison(baseline: BenchResult, result: BenchResult) -> str:
+    """The two runs side by side, with the factor by which `result` is better (>1) or
+    worse (<1) than `baseline` on each figure."""
+    width = 26
+    lines = [f"{'=' * 8} {baseline.label} vs {result.label} {'=' * 8}",
+             f"{'':<{width}}{'baseline':>12}{'this':>12}{'better by':>12}"]
+    for name, read, higher_better in _COMPARED:
+        a, b = read(baseline), read(result)
+        if a is None or b is None:
+            continue
+        ratio = (b / a if higher_better else a / b) if a and b else float("nan")
+        lines.append(f"{name:<{width}}{a:12.2f}{b:12.2f}{ratio:11.2f}x")
+    return "\n".join(lines)
+
+
+def write_json(path: str | Path, result: BenchResult, baseline: BenchResult | None = None
+               ) -> None:
+    data = result.to_dict()
+    if baseline is not None:
+        data["baseline"] = baseline.to_dict()
+    Path(path).write_text(json.dumps(data, indent=2) + "\n")

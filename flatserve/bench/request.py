@@ -18,6 +18,7 @@ ERROR_HEAD = 300  # characters of an error body kept
 @dataclass
 class RequestResult:
     sent_at: float  # time.perf_counter()
+    turn: int = 0  # its place in a multi-turn conversation (0: the first, or no conversation)
     ended_at: float = 0.0
     ok: bool = False
     ttft_s: float | None = None  # None: no content came

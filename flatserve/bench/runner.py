@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 from flatserve.bench.config import BenchConfig, parse_args
 from flatserve.bench.health import HealthPoller, ServerUnreachable, health_path
 from flatserve.bench.load import Load
-from flatserve.bench.report import format_table, write_json
+from flatserve.bench.report import format_comparison, format_table, write_json
 from flatserve.bench.request import RequestResult
 from flatserve.bench.stats import BenchResult, summarize
-from flatserve.bench.workload import build_bodies
+from flatserve.bench.workload import build_units
 from flatserve.soak.config import passthrough_value
 from flatserve.soak.server import (
     ManagedServer,
@@ -98,9 +100,9 @@ def run_bench(config: BenchConfig) -> BenchResult:
             raise BenchError(str(err)) from None
         _log(f"model {model!r} at {base_url}; timing GET {path} every "
              f"{config.health_interval_s:g} s during the run")
-        bodies = build_bodies(config, model, range(config.num_requests + config.warmup_requests))
+        units = build_units(config, model, range(config.num_units + config.num_warmup_units))
         # the warm-up takes the last indices: its images differ from the measured ones
-        measured, warmup = bodies[:config.num_requests], bodies[config.num_requests:]
+        measured, warmup = units[:config.num_units], units[config.num_units:]
         progress = _ProgressBar(config)
         load = Load(config, base_url + "/v1/chat/completions", headers, on_finish=progress.update)
         poller = HealthPoller(base_url + path, config.health_interval_s, headers)
@@ -108,6 +110,20 @@ def run_bench(config: BenchConfig) -> BenchResult:
     _report_warmup(warm)
     settings = {"base_url": base_url, "model": model, **config.settings()}
     return summarize(results, poller.latencies_s, path, poller.errors, config.label, settings)
+
+
+def run_with_baseline(config: BenchConfig) -> tuple[BenchResult | None, BenchResult]:
+    """(the baseline's result or None, the run's result): with baseline_args, the same load
+    first against a server started with them added, then against the one as given."""
+    if not config.baseline_args:
+        return None, run_bench(config)
+    given = " ".join(config.server_args) or "defaults"
+    baseline = config.with_server_args(config.baseline_args, " ".join(config.baseline_args))
+    if config.server_log:  # the baseline server's log beside the other's, not over it
+        log = Path(config.server_log)
+        baseline = dataclasses.replace(baseline, server_log=str(log.with_stem(log.stem + "-baseline")))
+    baseline = run_bench(baseline)
+    return baseline, run_bench(config.with_server_args((), config.label or given))
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
@@ -119,15 +135,19 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         return exit_.code if isinstance(exit_.code, int) else 2
     try:
         with sigterm_as_interrupt():
-            result = run_bench(config)
+            baseline, result = run_with_baseline(config)
     except (ServerStartError, BenchError) as err:
         _log(str(err))
         return 2
     except KeyboardInterrupt:
         _log("interrupted")
         return 130
+    if baseline is not None:
+        print(format_table(baseline), end="\n\n")
     print(format_table(result))
+    if baseline is not None:
+        print("\n" + format_comparison(baseline, result))
     if config.json_path:
-        write_json(config.json_path, result)
+        write_json(config.json_path, result, baseline)
         print(f"wrote {config.json_path}")
-    return 0 if result.completed else 1
+    return 0 if result.completed and (baseline is None or baseline.completed) else 1

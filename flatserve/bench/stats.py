@@ -34,6 +34,8 @@ class BenchResult:
     output_tokens: int
     prompt_tokens: int | None
     ttft_ms: dict
+    ttft_first_turn_ms: dict | None  # multi-turn runs: TTFT of first turns, of later ones
+    ttft_later_turns_ms: dict | None
     tpot_ms: dict
     itl_ms: dict
     e2e_ms: dict
@@ -59,6 +61,10 @@ def summarize(results: list[RequestResult], health_latencies_s: list[float], hea
     prompt_counts = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
     prompt_tokens = sum(prompt_counts) if prompt_counts else None
 
+    multi_turn = any(r.turn for r in results)
+    first = [r.ttft_s for r in ok if r.ttft_s is not None and r.turn == 0]
+    later = [r.ttft_s for r in ok if r.ttft_s is not None and r.turn > 0]
+
     def per_s(count: float) -> float:
         return count / duration if duration > 0 else 0.0
 
@@ -73,6 +79,8 @@ def summarize(results: list[RequestResult], health_latencies_s: list[float], hea
         output_tokens=output_tokens,
         prompt_tokens=prompt_tokens,
         ttft_ms=latency_stats([r.ttft_s for r in ok if r.ttft_s is not None]),
+        ttft_first_turn_ms=latency_stats(first) if multi_turn else None,
+        ttft_later_turns_ms=latency_stats(later) if multi_turn else None,
         tpot_ms=latency_stats([t for r in ok if (t := r.tpot_s) is not None]),
         itl_ms=latency_stats([gap for r in ok for gap in r.itl_s]),
         e2e_ms=latency_stats([r.e2e_s for r in ok]),

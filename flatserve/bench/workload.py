@@ -1,5 +1,9 @@
 """The requests of a run, planned from the seed and encoded to JSON bytes before any is sent,
-so that neither prompt building nor image encoding runs while latency is measured."""
+so that neither prompt building nor image encoding runs while latency is measured.
+
+A run is a list of units, each a list of bodies sent one after another: one request per unit,
+or in the multi-turn workload one conversation of `turns` requests, each turn re-sending the
+conversation's image and everything said before (flatserve/soak/conversation.py)."""
 
 from __future__ import annotations
 
@@ -9,21 +13,8 @@ import sys
 from dataclasses import dataclass
 
 from flatserve.bench.config import BenchConfig
+from flatserve.soak.conversation import conversation_messages, words
 from flatserve.soak.images import ImagePool
-
-# Short common words: most tokenizers give one token to each (with its leading space).
-WORDS = tuple("""
-the of and to in is it you that he was for on are as with his they at be this have from or
-one had by word but not what all were we when your can said there use an each which she do
-how their if will up other about out many then them these so some her would make like him
-into time has look two more write go see number no way could people my than first water
-been call who oil its now find long down day did get come made may part over new sound take
-only little work know place year live me back give most very after thing our just name good
-man think say great where help through much before line right too mean old any same tell
-boy follow came want show also around form three small set put end does another well large
-must big even such because turn here why ask went men read need land different home us move
-try kind hand picture again change off play spell air away animal house point page letter
-""".split())
 
 
 @dataclass(frozen=True)
@@ -53,8 +44,21 @@ def plan_request(config: BenchConfig, index: int) -> RequestPlan:
 
 
 def prompt_text(seed: int, index: int, num_words: int) -> str:
-    rng = random.Random(f"{seed}/{index}")
-    return " ".join(rng.choices(WORDS, k=num_words))
+    return words(f"{seed}/{index}", num_words)
+
+
+def _body(config: BenchConfig, model: str, messages: list[dict], max_tokens: int) -> bytes:
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": config.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **({"ignore_eos": True} if config.ignore_eos else {}),
+        **(config.extra_body or {}),
+    }
+    return json.dumps(body).encode()
 
 
 def build_body(config: BenchConfig, model: str, plan: RequestPlan, pool: ImagePool | None) -> bytes:
@@ -68,26 +72,36 @@ def build_body(config: BenchConfig, model: str, plan: RequestPlan, pool: ImagePo
                     "image_url": {"url": pool.variant(plan.index * k + j).data_url()}}
                    for j in range(k)]
         content.append({"type": "text", "text": f"Request {plan.index}: describe the image."})
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": plan.output_len,
-        "temperature": config.temperature,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        **({"ignore_eos": True} if config.ignore_eos else {}),
-        **(config.extra_body or {}),
-    }
-    return json.dumps(body).encode()
+    return _body(config, model, [{"role": "user", "content": content}], plan.output_len)
 
 
-def build_bodies(config: BenchConfig, model: str, indices: range) -> list[bytes]:
-    """The JSON bodies of requests `indices`, with a progress bar (images take a while)."""
+def build_conversation(config: BenchConfig, model: str, unit: int, pool: ImagePool) -> list[bytes]:
+    """The bodies of conversation `unit`, turn by turn: a distinct image per conversation,
+    re-sent with the whole history at every turn."""
+    turns = config.turns
+    plans = [plan_request(config, unit * turns + t) for t in range(turns)]
+    k = config.images_per_request
+    urls = [pool.variant(unit * k + j).data_url() for j in range(k)]
+    bodies = []
+    for t, plan in enumerate(plans):
+        messages = conversation_messages(
+            urls, t,
+            user_text=lambda s: prompt_text(config.seed, plans[s].index, plans[s].prompt_len),
+            reply_text=lambda s: words(f"{config.seed}/{unit}/reply/{s}", plans[s].output_len))
+        bodies.append(_body(config, model, messages, plan.output_len))
+    return bodies
+
+
+def build_units(config: BenchConfig, model: str, units: range) -> list[list[bytes]]:
+    """The JSON bodies of units `units`, with a progress bar (images take a while)."""
     from tqdm import tqdm
 
-    plans = [plan_request(config, i) for i in indices]
-    pool = ImagePool(config.image_size, seed=config.seed) if any(p.num_images for p in plans) \
-        else None
-    bar = tqdm(plans, desc="building requests", unit="req", file=sys.stderr,
+    multi_turn = config.workload == "multi-turn"
+    plans = [] if multi_turn else [plan_request(config, i) for i in units]
+    needs_images = multi_turn or any(p.num_images for p in plans)
+    pool = ImagePool(config.image_size, seed=config.seed) if needs_images else None
+    bar = tqdm(units, desc="building requests", unit="unit", file=sys.stderr,
                disable=not config.progress, dynamic_ncols=True)
-    return [build_body(config, model, plan, pool) for plan in bar]
+    if multi_turn:
+        return [build_conversation(config, model, u, pool) for u in bar]
+    return [[build_body(config, model, plan, pool)] for plan, _ in zip(plans, bar, strict=True)]

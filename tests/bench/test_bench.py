@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from flatserve.bench import main, parse_args
 from flatserve.bench.config import DEFAULT_CONCURRENCY
 from flatserve.bench.schedule import arrival_offsets
-from flatserve.bench.workload import build_bodies
+from flatserve.bench.workload import build_units
 
 JSON_KEYS = {"label", "requests_per_s", "output_tokens_per_s", "ttft_ms", "tpot_ms", "itl_ms",
              "e2e_ms", "health_ms", "errors", "error_kinds", "first_error", "completed",
@@ -146,8 +146,10 @@ def test_bodies_are_deterministic_openai_and_unique():
     config = parse_args(["--workload", "mixed", "--image-size", "32", "--image-share", "0.5",
                          "--prompt-len", "20", "--prompt-len-range", "0.5",
                          "--output-len", "10", "--output-len-range", "0.5", "--no-progress"])
-    bodies = [json.loads(b) for b in build_bodies(config, "m", range(40))]
-    assert bodies == [json.loads(b) for b in build_bodies(config, "m", range(40))]
+    units = build_units(config, "m", range(40))
+    assert all(len(unit) == 1 for unit in units)
+    bodies = [json.loads(unit[0]) for unit in units]
+    assert bodies == [json.loads(u[0]) for u in build_units(config, "m", range(40))]
     images = [b for b in bodies if isinstance(b["messages"][0]["content"], list)]
     texts = [b for b in bodies if isinstance(b["messages"][0]["content"], str)]
     assert 8 <= len(images) <= 32 and texts
@@ -159,8 +161,50 @@ def test_bodies_are_deterministic_openai_and_unique():
     assert all(b["stream"] and b["stream_options"] == {"include_usage": True}
                and b["temperature"] == 0.0 and "ignore_eos" not in b for b in bodies)
     eos = parse_args(["--ignore-eos", "--extra-body", '{"top_k": 5}', "--no-progress"])
-    body = json.loads(build_bodies(eos, "m", range(1))[0])
+    body = json.loads(build_units(eos, "m", range(1))[0][0])
     assert body["ignore_eos"] is True and body["top_k"] == 5
+
+
+def test_multi_turn_conversations_resend_their_image_and_history():
+    config = parse_args(["--workload", "multi-turn", "--turns", "3", "--image-size", "32",
+                         "--prompt-len", "6", "--output-len", "4", "--num-requests", "6",
+                         "--no-progress"])
+    units = [[json.loads(b) for b in unit] for unit in build_units(config, "m", range(2))]
+    assert [len(unit) for unit in units] == [3, 3]
+    first_urls = []
+    for unit in units:
+        for turn, body in enumerate(unit):
+            messages = body["messages"]
+            assert [m["role"] for m in messages] == ["user"] + ["assistant", "user"] * turn
+            # each turn is the one before plus a reply and a new question
+            if turn:
+                assert messages[:-2] == unit[turn - 1]["messages"]
+            assert len(messages[-1]["content"].split() if turn else
+                       messages[0]["content"][-1]["text"].split()) == 6
+        first_urls.append(unit[0]["messages"][0]["content"][0]["image_url"]["url"])
+    assert first_urls[0] != first_urls[1]  # a distinct image per conversation
+    with pytest.raises(SystemExit):
+        parse_args(["--workload", "multi-turn", "--turns", "4", "--num-requests", "6"])
+
+
+def test_multi_turn_turns_go_in_order_and_are_timed_apart(serve_fake, tmp_path, capsys):
+    fake = FakeServer(token_delay=0.002)
+    code, data = run_main(serve_fake(fake), tmp_path, "--workload", "multi-turn", "--turns",
+                          "3", "--num-requests", "12", "--concurrency", "2", "--image-size",
+                          "32", "--output-len", "3", "--prompt-len", "5", "--warmup-requests",
+                          "0")
+    assert code == 0 and data["completed"] == 12
+    # a conversation's turn t arrives only after its turn t - 1 has been answered
+    seen: dict[str, int] = {}
+    for body in fake.bodies:
+        url = body["messages"][0]["content"][0]["image_url"]["url"]
+        turn = (len(body["messages"]) - 1) // 2
+        assert seen.get(url, -1) == turn - 1
+        seen[url] = turn
+    assert len(seen) == 4 and set(seen.values()) == {2}
+    assert data["ttft_first_turn_ms"]["p50"] > 0 and data["ttft_later_turns_ms"]["p50"] > 0
+    out = capsys.readouterr().out
+    assert "TTFT later turns" in out and "multi-turn workload (3 turns each)" in out
 
 
 def test_closed_loop_figures_and_concurrency(serve_fake, tmp_path, capsys):
@@ -257,3 +301,22 @@ def test_flatserve_bench_against_the_tiny_model(tmp_path):
     assert data["ttft_ms"]["max"] <= data["e2e_ms"]["max"]
     assert data["health_path"] == "/health" and data["health_ms"]["p50"] > 0
     assert "TTFT" in run.stdout
+
+
+def test_comparison_rows_are_ratios_in_the_better_direction():
+    from flatserve.bench.report import format_comparison
+    from flatserve.bench.request import RequestResult
+    from flatserve.bench.stats import summarize
+
+    def run(ttft: float, label: str):
+        results = []
+        for i in range(4):
+            r = RequestResult(sent_at=float(i), ended_at=i + 1.0, ok=True, ttft_s=ttft,
+                              content_chunks=3, turn=i % 2)
+            results.append(r)
+        return summarize(results, [0.001], "/health", label=label)
+
+    text = format_comparison(run(0.4, "no cache"), run(0.1, "cache"))
+    assert "no cache vs cache" in text
+    row = next(line for line in text.splitlines() if line.startswith("TTFT p50 (ms)"))
+    assert row.split()[-1] == "4.00x"  # 400 ms before, 100 ms now: 4x better
