@@ -29,7 +29,12 @@ class SoakConfig:
     max_tokens: int = opt(32, "max_tokens of each request")
     stream: bool = opt(True, "stream responses (SSE)")
     disconnect_share: float = opt(0.1, "share of requests whose client disconnects mid-response")
-    text_only_share: float = opt(0.1, "share of requests without images")
+    text_only_share: float = opt(0.1, "share of requests (of conversations, with --turns) "
+                                      "without images")
+    turns: int = opt(1, "requests per conversation: with N > 1 each worker sends a "
+                        "conversation's N turns one after another, each re-sending its "
+                        "image(s) and the earlier turns (the multi-turn load the prefix and "
+                        "encoder caches serve)")
     warmup_share: float = opt(0.2, "share of requests before the slope fit starts")
     interval_s: float = opt(1.0, "seconds between RSS samples")
     uss_every: int = opt(5, "read USS every Nth sample (slow; 0: never)")
@@ -67,7 +72,8 @@ class SoakConfig:
             raise ValueError(f"requests must be at least 1, got {self.requests}")
         if self.duration_min is not None and not self.duration_min > 0:
             raise ValueError(f"duration_min must be positive, got {self.duration_min}")
-        for name in ("concurrency", "image_size", "max_tokens", "pool_size", "max_errors"):
+        for name in ("concurrency", "image_size", "max_tokens", "pool_size", "max_errors",
+                     "turns"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("images_per_request", "uss_every", "idle_samples"):
@@ -180,6 +186,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     add("--stream", "stream", action=argparse.BooleanOptionalAction)
     add("--disconnect-share", "disconnect_share", type=float)
     add("--text-only-share", "text_only_share", type=float)
+    add("--turns", "turns", type=int)
     add("--warmup-share", "warmup_share", type=float)
     add("--interval", "interval_s", type=float, metavar="S")
     add("--uss-every", "uss_every", type=int)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from flatserve.soak.config import SoakConfig
+from flatserve.soak.conversation import conversation_messages, words
 from flatserve.soak.images import ImagePool
 
 KEEP_ERRORS = 10  # error messages kept verbatim; the rest are only counted by kind
@@ -52,34 +53,44 @@ class RequestPlan:
     disconnect: bool
     disconnect_after_chunks: int  # streaming: close after this many chunks
     disconnect_fraction: float  # not streaming: abort after this share of a typical latency
+    conversation: int = 0  # with --turns N: request `index` is turn index % N of index // N
+    turn: int = 0
 
 
 def plan_request(config: SoakConfig, index: int) -> RequestPlan:
-    """What request `index` does; a function of the seed and the index only."""
+    """What request `index` does; a function of the seed and the index only. Whether it has
+    images is drawn per conversation (one request each without --turns)."""
+    conversation, turn = divmod(index, config.turns)
+    text_only = random.Random(config.seed * 1_000_003 + conversation).random() \
+        < config.text_only_share
     rng = random.Random(config.seed * 1_000_003 + index)
-    text_only = rng.random() < config.text_only_share
+    rng.random()  # the draw above, for the request of a one-turn conversation
     return RequestPlan(
         index=index,
         num_images=0 if text_only else config.images_per_request,
         disconnect=rng.random() < config.disconnect_share,
         disconnect_after_chunks=rng.randint(1, 3),
         disconnect_fraction=rng.uniform(0.2, 0.8),
+        conversation=conversation,
+        turn=turn,
     )
 
 
 def build_body(config: SoakConfig, model: str, pool: ImagePool, plan: RequestPlan) -> bytes:
-    k = plan.num_images
-    if k == 0:
-        content: str | list = f"Request {plan.index}: write a short story about a lighthouse."
-    else:
-        content = [
-            {"type": "image_url", "image_url": {"url": pool.variant(plan.index * k + j).data_url()}}
-            for j in range(k)
-        ]
-        content.append({"type": "text", "text": f"Request {plan.index}: describe the images."})
+    k, c = plan.num_images, plan.conversation
+    urls = [pool.variant(c * k + j).data_url() for j in range(k)]
+
+    def user_text(turn: int) -> str:
+        if turn:
+            return f"Request {c}.{turn}: and what else?"
+        task = "describe the images" if k else "write a short story about a lighthouse"
+        return f"Request {c}: {task}."
+
+    messages = conversation_messages(urls, plan.turn, user_text,
+                                     lambda turn: words(f"{config.seed}/{c}/{turn}", 24))
     body = {
         "model": model,
-        "messages": [{"role": "user", "content": content}],
+        "messages": messages,
         "max_tokens": config.max_tokens,
         "stream": config.stream,
         **(config.extra_body or {}),
@@ -123,24 +134,39 @@ class LoadGenerator:
     def counts(self) -> tuple[int, int]:
         return self.stats.finished, self.stats.in_flight
 
-    def _take_index(self) -> int | None:
+    def _stopping(self) -> bool:
+        """Whether the load must end now: its planned end, or `_interrupted()`."""
+        requests = self.config.requests
+        return (requests is not None and self._next_index >= requests) or self._interrupted()
+
+    def _interrupted(self) -> bool:
+        """Whether the load must end before its planned number of requests (setting
+        stats.stop_reason unless the time is up)."""
         stats, config = self.stats, self.config
         if stats.stop_reason is not None:
-            return None
-        if config.requests is not None and self._next_index >= config.requests:
-            return None
+            return True
         if self._deadline is not None and time.monotonic() >= self._deadline:
-            return None
+            return True
         if stats.errors >= config.max_errors:
             stats.stop_reason = f"stopped after {stats.errors} unexpected errors"
-            return None
+            return True
         reason = self.should_stop() if self.should_stop else None
         if reason is not None:
             stats.stop_reason = reason
+            return True
+        return False
+
+    def _take_conversation(self) -> range | None:
+        """The request indices of the next conversation (one request without --turns), cut
+        at --requests; None when the load is over."""
+        if self._stopping():
             return None
-        index = self._next_index
-        self._next_index += 1
-        return index
+        first = self._next_index
+        end = first + self.config.turns
+        if self.config.requests is not None:
+            end = min(end, self.config.requests)
+        self._next_index = end
+        return range(first, end)
 
     async def run(self) -> LoadStats:
         config = self.config
@@ -168,34 +194,40 @@ class LoadGenerator:
         return self.stats
 
     async def _worker(self, client: httpx.AsyncClient) -> None:
-        while (index := self._take_index()) is not None:
-            plan = plan_request(self.config, index)
-            body = await asyncio.to_thread(build_body, self.config, self.model, self.pool, plan)
-            self.stats.sent += 1
-            self.stats.in_flight += 1
-            try:
-                outcome = await self._send(client, plan, body)
-            except StreamFailure as failure:
-                self.stats.record_error(index, failure.kind, str(failure))
-            except httpx.TimeoutException as err:
-                self.stats.record_error(index, "timeout", repr(err))
-            except httpx.TransportError as err:
-                self.stats.record_error(index, "connection", repr(err))
-            except httpx.HTTPError as err:
-                self.stats.record_error(index, type(err).__name__, repr(err))
+        while (indices := self._take_conversation()) is not None:
+            for index in indices:
+                if index > indices.start and self._interrupted():
+                    break
+                await self._request(client, index)
+
+    async def _request(self, client: httpx.AsyncClient, index: int) -> None:
+        plan = plan_request(self.config, index)
+        body = await asyncio.to_thread(build_body, self.config, self.model, self.pool, plan)
+        self.stats.sent += 1
+        self.stats.in_flight += 1
+        try:
+            outcome = await self._send(client, plan, body)
+        except StreamFailure as failure:
+            self.stats.record_error(index, failure.kind, str(failure))
+        except httpx.TimeoutException as err:
+            self.stats.record_error(index, "timeout", repr(err))
+        except httpx.TransportError as err:
+            self.stats.record_error(index, "connection", repr(err))
+        except httpx.HTTPError as err:
+            self.stats.record_error(index, type(err).__name__, repr(err))
+        else:
+            if outcome == "ok":
+                self.stats.ok += 1
+            elif outcome == "disconnect":
+                self.stats.disconnects += 1
             else:
-                if outcome == "ok":
-                    self.stats.ok += 1
-                elif outcome == "disconnect":
-                    self.stats.disconnects += 1
-                else:
-                    self.stats.rejected += 1
-            finally:
-                del body
-                self.stats.in_flight -= 1
-                self.stats.finished += 1
-            if self.on_finish is not None:
-                self.on_finish(self.stats)
+                self.stats.rejected += 1
+        finally:
+            del body
+            self.stats.in_flight -= 1
+            self.stats.finished += 1
+        if self.on_finish is not None:
+            self.on_finish(self.stats)
 
     async def _send(self, client: httpx.AsyncClient, plan: RequestPlan, body: bytes) -> str:
         if self.config.stream:

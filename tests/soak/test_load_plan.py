@@ -48,3 +48,51 @@ def test_sse_chunk_checks():
         with pytest.raises(StreamFailure) as err:
             _check_chunk(bad)
         assert err.value.kind == kind
+
+
+def test_multi_turn_plans_and_bodies_resend_the_conversation():
+    config = SoakConfig(turns=3, images_per_request=1, text_only_share=0.3, requests=300)
+    plans = [plan_request(config, i) for i in range(300)]
+    assert [(p.conversation, p.turn) for p in plans[:4]] == [(0, 0), (0, 1), (0, 2), (1, 0)]
+    for c in range(100):  # images are drawn per conversation
+        assert len({p.num_images for p in plans[3 * c:3 * c + 3]}) == 1
+    pool = ImagePool(16, count=2)
+    c = next(p.conversation for p in plans if p.num_images)
+    bodies = [json.loads(build_body(config, "m", pool, plans[3 * c + t])) for t in range(3)]
+    assert [len(b["messages"]) for b in bodies] == [1, 3, 5]
+    assert bodies[2]["messages"][:3] == bodies[1]["messages"]
+    other = next(p for p in plans if p.num_images and p.conversation != c)
+    url = bodies[0]["messages"][0]["content"][0]["image_url"]["url"]
+    assert url == bodies[2]["messages"][0]["content"][0]["image_url"]["url"]
+    assert url != json.loads(build_body(config, "m", pool, other))["messages"][0]["content"][0][
+        "image_url"]["url"]
+    # one turn per conversation is the plain soak: the same plans as ever
+    single = SoakConfig(text_only_share=0.3, requests=10)
+    assert [plan_request(single, i).turn for i in range(10)] == [0] * 10
+
+
+def test_a_conversation_s_turns_go_one_after_another(monkeypatch):
+    import asyncio
+
+    from flatserve.soak.load import LoadGenerator
+
+    events: list[tuple[str, int, int]] = []
+
+    async def send(self, client, plan, body):
+        events.append(("start", plan.conversation, plan.turn))
+        await asyncio.sleep(0.002 * (3 - plan.turn))
+        events.append(("end", plan.conversation, plan.turn))
+        return "ok"
+
+    monkeypatch.setattr(LoadGenerator, "_send", send)
+    config = SoakConfig(turns=3, requests=14, concurrency=3, text_only_share=1.0)
+    stats = asyncio.run(LoadGenerator(config, "http://127.0.0.1:1", "m",
+                                      ImagePool(16, count=2)).run())
+    assert stats.ok == 14
+    ended: set[tuple[int, int]] = set()
+    for kind, c, t in events:
+        if kind == "start" and t:
+            assert (c, t - 1) in ended  # turn t waits for turn t - 1's answer
+        if kind == "end":
+            ended.add((c, t))
+    assert sorted(ended) == [(c, t) for c in range(5) for t in range(3)][:14]
