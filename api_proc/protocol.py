@@ -2,8 +2,8 @@
 
 Requests refuse every field flatserve does not implement, by name (400), instead of
 accepting and dropping it. Fields of the OpenAI API (and vLLM's extensions) that clients
-send at their neutral value (`presence_penalty: 0`, `response_format: {type: text}`,
-`logprobs: false`, ...) are accepted at that value only; `user` and `metadata` are accepted
+send at their neutral value (`response_format: {type: text}`, `logprobs: false`, ...) are
+accepted at that value only; `user` and `metadata` are accepted
 and not used.
 """
 
@@ -67,11 +67,6 @@ _NEUTRAL: dict[str, tuple] = {
     "tool_choice": ("none",),
     "parallel_tool_calls": (True, False),  # meaningless without tools, which are refused
     "response_format": ({"type": "text"},),
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "repetition_penalty": (1,),
-    "logit_bias": ({},),
-    "min_tokens": (0,),
 }
 
 
@@ -85,6 +80,13 @@ class _SamplingRequest(_Request):
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=64)  # vLLM extension
     ignore_eos: bool = False  # extension
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)  # vLLM extension
+    min_tokens: int | None = Field(default=None, ge=0)  # vLLM extension
+    # token id (as a string, as JSON keys are) -> bias added to its logit
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        default=None, max_length=1024)
     n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -97,11 +99,6 @@ class _SamplingRequest(_Request):
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict | None = None
-    min_tokens: int | None = None
 
     @field_validator("stop")
     @classmethod
@@ -114,6 +111,16 @@ class _SamplingRequest(_Request):
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
         return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, v):
+        if v is None:
+            return None
+        for key in v:
+            if not key.isdigit() or int(key) >= 2**31:
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+        return v
 
     @field_validator(*_NEUTRAL)
     @classmethod

@@ -130,6 +130,11 @@ class Serving:
                 seed=seed,
                 stop_token_ids=tuple(req.stop_token_ids or ()),
                 ignore_eos=req.ignore_eos,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=req.repetition_penalty or 1.0,
+                min_tokens=req.min_tokens or 0,
+                logit_bias=tuple((int(t), b) for t, b in (req.logit_bias or {}).items()),
             )
         except ValueError as e:
             message = str(e)
@@ -286,9 +291,18 @@ class _RequestSettings:
     seed: int | None
     stop_token_ids: list[int] | None
     ignore_eos: bool
+    presence_penalty: float | None
+    frequency_penalty: float | None
+    repetition_penalty: float | None
+    min_tokens: int | None
+    logit_bias: dict[str, float] | None
 
     @classmethod
     def of(cls, req) -> _RequestSettings:
         return cls(n=req.n, stream=req.stream, include_usage=req.include_usage, stop=req.stop,
                    temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
-                   stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos)
+                   stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+                   presence_penalty=req.presence_penalty,
+                   frequency_penalty=req.frequency_penalty,
+                   repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
+                   logit_bias=req.logit_bias)

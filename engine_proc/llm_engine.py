@@ -223,6 +223,8 @@ class LLMEngine:
         vocab = self.config.text.vocab_size
         if token_ids.min() < 0 or token_ids.max() >= vocab:
             raise RequestRejected(f"prompt has token ids outside the vocabulary [0, {vocab})")
+        if any(t >= vocab for t, _ in request.sampling.logit_bias):
+            raise RequestRejected(f"logit_bias names token ids outside the vocabulary [0, {vocab})")
         if (token_ids == self.config.video_token_id).any():
             raise RequestRejected("video inputs are not supported")
         images = self._image_spans(token_ids, request.images)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from engine_proc.context import Context, reset_context, set_context
+from engine_proc.logits_adjustments import build_adjustments
 from engine_proc.models.registry import model_class
 from engine_proc.sampler import Sampler, SamplingBatch
 from engine_proc.scheduler import ScheduledBatch
@@ -297,9 +298,11 @@ class ModelRunner:
         greedy = [p.temperature == 0.0 for p in params]
         all_greedy = all(greedy)
         vocab = self.config.text.vocab_size
+        adjustments = build_adjustments(seqs, vocab, self.config.eos_token_ids, self._to_device)
         if all_greedy:
             empty = torch.empty(0)
-            return SamplingBatch(empty, empty, empty, empty, [], True, False, False, False)
+            return SamplingBatch(empty, empty, empty, empty, [], True, False, False, False,
+                                 adjustments)
         top_ks = [p.top_k if p.top_k > 0 else vocab for p in params]
         generators = [self._generator(s) if s.sampling.seed is not None else None for s in seqs]
         return SamplingBatch(
@@ -317,6 +320,7 @@ class ModelRunner:
             any_top_p=any(p.top_p < 1.0 for p in params),
             any_top_k=any(k < vocab for k in top_ks),
             any_seeded=any(g is not None for g in generators),
+            adjustments=adjustments,
         )
 
     def _generator(self, seq: Sequence) -> torch.Generator:

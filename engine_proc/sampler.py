@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine_proc.logits_adjustments import LogitsAdjustments
+
 
 @dataclass
 class SamplingBatch:
@@ -26,12 +28,15 @@ class SamplingBatch:
     any_top_p: bool
     any_top_k: bool
     any_seeded: bool
+    adjustments: LogitsAdjustments | None = None  # penalties, logit_bias, min_tokens
 
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
         """logits: float [N, V] -> sampled token ids int64 [N] (on the logits' device)."""
         logits = logits.float()
+        if params.adjustments is not None:
+            logits = params.adjustments.apply(logits)
         # max(dim).indices: the first maximal index, like argmax, and ~2x faster on CPU
         greedy_ids = logits.max(dim=-1).indices
         if params.all_greedy:

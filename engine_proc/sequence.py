@@ -81,6 +81,10 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.sampling = sampling
+        # whether sampling changes its logits (engine_proc/logits_adjustments.py)
+        self.adjusts_logits = bool(
+            sampling.has_penalties or sampling.logit_bias or sampling.min_tokens
+        )
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V is in the cache
         self.block_table: list[int] = []

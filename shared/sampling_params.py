@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGIT_BIAS_ENTRIES = 1024
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -14,6 +16,15 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    # OpenAI's: subtract presence_penalty from the logit of every token the completion
+    # holds, and frequency_penalty times the number of times it holds it
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM's (the CTRL paper's): divide a positive logit, multiply a negative one, of every
+    # token in the prompt or the completion
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end the completion before this
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token, bias)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -24,8 +35,33 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 or positive, got {self.top_k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got "
+                             f"{self.repetition_penalty}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got "
+                             f"{self.min_tokens}")
+        bias = tuple((int(t), float(b)) for t, b in self.logit_bias)
+        if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias has {len(bias)} entries; at most "
+                             f"{MAX_LOGIT_BIAS_ENTRIES}")
+        if any(not -100.0 <= b <= 100.0 for _, b in bias):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        if any(t < 0 for t, _ in bias):
+            raise ValueError("logit_bias token ids must not be negative")
+        object.__setattr__(self, "logit_bias", bias)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the logits need the request's token counts (presence, frequency or
+        repetition penalty)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
