@@ -22,6 +22,7 @@ from api_proc.admission import AdmissionController
 from api_proc.config import ApiConfig
 from api_proc.engine_client import EngineClient
 from api_proc.errors import HTTPError, Unauthorized, error_response, install_error_handlers
+from api_proc.logprobs import LogprobsFormatter
 from api_proc.media_loader import MediaLoader
 from api_proc.metrics import Metrics
 from api_proc.prompt_builder import PromptBuilder
@@ -78,7 +79,7 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
                       mm_inflight_bytes=lambda: admission.in_flight_bytes,
                       mm_inflight_budget=config.mm_inflight_budget)
     serving = Serving(config, builder, loader, admission, engines, metrics)
-    responses = ResponseWriter(metrics)
+    responses = ResponseWriter(metrics, LogprobsFormatter(builder.decoder))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):

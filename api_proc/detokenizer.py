@@ -55,6 +55,16 @@ class TokenDecoder:
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes, special tokens' text included (for log-probabilities)."""
+        table = self.byte_table
+        if table is not None and token_id < len(table) and table[token_id]:
+            return table[token_id]
+        token = self.tokenizer.id_to_token(token_id)
+        if token is None:
+            return b""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
+
 
 class _ByteLevelStream:
     __slots__ = ("_table", "_utf8")

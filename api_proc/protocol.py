@@ -13,6 +13,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from shared.sampling_params import MAX_LOGPROBS
+
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -61,8 +63,6 @@ class StreamOptions(_Request):
 
 # field -> the values that ask for nothing (None always does)
 _NEUTRAL: dict[str, tuple] = {
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
     "tools": ([],),
     "tool_choice": ("none",),
     "parallel_tool_calls": (True, False),  # meaningless without tools, which are refused
@@ -93,8 +93,6 @@ class _SamplingRequest(_Request):
     user: str | None = None
     metadata: dict[str, str] | None = None
     # Not implemented: accepted only at the neutral value a client may send (_NEUTRAL).
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
@@ -137,6 +135,19 @@ class _SamplingRequest(_Request):
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        """Top alternatives per token wanted (0: the token's own only), or None."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -146,6 +157,11 @@ class ChatCompletionRequest(_SamplingRequest):
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -181,11 +197,33 @@ class ChatCompletionMessage(_Body):
     content: str
 
 
+class TopLogprob(_Body):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Body):
+    content: list[ChatTokenLogprob] | None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class CompletionLogprobs(_Body):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class ChatCompletionChoice(_Body):
     index: int
     message: ChatCompletionMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(_Body):
@@ -206,7 +244,7 @@ class ChatCompletionChunkChoice(_Body):
     index: int
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(_Body):
@@ -222,7 +260,7 @@ class CompletionChoice(_Body):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(_Body):

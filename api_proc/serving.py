@@ -55,6 +55,8 @@ class Choice:
     num_tokens: int = 0
     finish_reason: str | None = None
     texts: list[str] = field(default_factory=list)  # non-streaming responses only
+    logprobs: list | None = None  # non-streaming: chat entries or completion parts so far
+    num_chars: int = 0  # of the completion so far (completion logprobs' text_offset)
 
 
 @dataclass(eq=False)
@@ -135,6 +137,7 @@ class Serving:
                 repetition_penalty=req.repetition_penalty or 1.0,
                 min_tokens=req.min_tokens or 0,
                 logit_bias=tuple((int(t), b) for t, b in (req.logit_bias or {}).items()),
+                logprobs=req.logprobs,
             )
         except ValueError as e:
             message = str(e)
@@ -206,7 +209,8 @@ class Serving:
                               sum(len(ids) for ids in ids_per_prompt), streams)
 
     def _prepared(self, kind, rid, arrival, settings, num_prompt_tokens, streams) -> Prepared:
-        choices = [Choice(i, s, IncrementalDetokenizer(self.builder.decoder, settings.stop))
+        choices = [Choice(i, s, IncrementalDetokenizer(self.builder.decoder, settings.stop),
+                          logprobs=None if settings.logprobs is None else [])
                    for i, s in enumerate(streams)]
         self.metrics.prompt_tokens.inc(num_prompt_tokens)
         return Prepared(kind=kind, id=rid, created=int(time.time()),
@@ -296,6 +300,7 @@ class _RequestSettings:
     repetition_penalty: float | None
     min_tokens: int | None
     logit_bias: dict[str, float] | None
+    logprobs: int | None  # top alternatives per token (0: the token's own), None: none
 
     @classmethod
     def of(cls, req) -> _RequestSettings:
@@ -305,4 +310,4 @@ class _RequestSettings:
                    presence_penalty=req.presence_penalty,
                    frequency_penalty=req.frequency_penalty,
                    repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
-                   logit_bias=req.logit_bias)
+                   logit_bias=req.logit_bias, logprobs=req.requested_logprobs)

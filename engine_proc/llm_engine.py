@@ -132,8 +132,9 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return outputs
+        logprobs = None
         try:
-            token_ids = self.model_runner.run(batch)
+            token_ids, logprobs = self.model_runner.run(batch)
         except Exception as exc:  # fail this step's requests, keep serving the others
             token_ids = None
             error = f"{type(exc).__name__}: {exc}"
@@ -143,8 +144,11 @@ class LLMEngine:
         if token_ids is None:
             outputs.extend(self._fail(batch, error))
             return outputs
-        for seq in self.scheduler.postprocess(batch, token_ids):
-            outputs.append(self._output(seq, [seq.last_token_id]))
+        for i, seq in enumerate(self.scheduler.postprocess(batch, token_ids)):
+            output = self._output(seq, [seq.last_token_id])
+            if logprobs is not None and logprobs[i] is not None:
+                output.logprobs = [logprobs[i]]
+            outputs.append(output)
             if seq.is_finished:
                 del self.seqs[seq.request_id]
         if self.mm_seqs:

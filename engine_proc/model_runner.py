@@ -23,6 +23,7 @@ from engine_proc.models.registry import model_class
 from engine_proc.sampler import Sampler, SamplingBatch
 from engine_proc.scheduler import ScheduledBatch
 from engine_proc.sequence import ImageSpan, Sequence
+from shared.messages import TokenLogprobs
 from shared.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -160,13 +161,14 @@ class ModelRunner:
     # ---- one step ---------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int]:
+    def run(self, batch: ScheduledBatch) -> tuple[list[int], list[TokenLogprobs | None] | None]:
         """Run one step; returns the sampled token of every sequence whose scheduled range
-        reaches its last token, in batch order."""
+        reaches its last token, in batch order, and when some of them asked for them, each
+        one's log-probabilities (None for those that did not ask)."""
         if batch.encoder_stage is not None:
             self._encode_stage(batch.encoder_stage)
         if not batch.seqs:
-            return []
+            return [], None
         input_ids, positions, context, sample_rows, sample_seqs = self.prepare(batch)
         set_context(context)
         try:
@@ -176,12 +178,22 @@ class ModelRunner:
             reset_context()
         del inputs_embeds, deepstack
         if not sample_seqs:
-            return []
+            return [], None
         if len(sample_seqs) < hidden.shape[0]:
             hidden = hidden[sample_rows]  # only the last token of each finished chunk
         logits = self.model.compute_logits(hidden)
-        token_ids = self.sampler(logits, self.prepare_sampling(sample_seqs))
-        return token_ids.tolist()  # the one host sync of a step
+        token_ids, logprobs = self.sampler(logits, self.prepare_sampling(sample_seqs))
+        token_ids = token_ids.tolist()  # the one host sync of a step without log-probs
+        if logprobs is None:
+            return token_ids, None
+        per_row: list[TokenLogprobs | None] = [None] * len(token_ids)
+        rows = logprobs.rows.tolist()
+        for row, lp, ids, values in zip(rows, logprobs.sampled.tolist(),
+                                        logprobs.top_ids.tolist(),
+                                        logprobs.top_values.tolist(), strict=True):
+            k = sample_seqs[row].sampling.logprobs
+            per_row[row] = [lp, ids[:k], values[:k]]
+        return token_ids, per_row
 
     def prepare(self, batch: ScheduledBatch):
         decode = self.prepare_decode(batch.seqs[: batch.num_decode_seqs])
@@ -299,10 +311,15 @@ class ModelRunner:
         all_greedy = all(greedy)
         vocab = self.config.text.vocab_size
         adjustments = build_adjustments(seqs, vocab, self.config.eos_token_ids, self._to_device)
+        logprob_rows, max_logprobs = None, 0
+        if any(p.logprobs is not None for p in params):
+            rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+            logprob_rows = self._to_device(np.asarray(rows, dtype=np.int64))
+            max_logprobs = max(params[i].logprobs for i in rows)
         if all_greedy:
             empty = torch.empty(0)
             return SamplingBatch(empty, empty, empty, empty, [], True, False, False, False,
-                                 adjustments)
+                                 adjustments, logprob_rows, max_logprobs)
         top_ks = [p.top_k if p.top_k > 0 else vocab for p in params]
         generators = [self._generator(s) if s.sampling.seed is not None else None for s in seqs]
         return SamplingBatch(
@@ -321,6 +338,8 @@ class ModelRunner:
             any_top_k=any(k < vocab for k in top_ks),
             any_seeded=any(g is not None for g in generators),
             adjustments=adjustments,
+            logprob_rows=logprob_rows,
+            max_logprobs=max_logprobs,
         )
 
     def _generator(self, seq: Sequence) -> torch.Generator:

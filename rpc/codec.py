@@ -131,7 +131,7 @@ class _Encoder:
             stats = obj.stats
             return [_STEP_MARKER, [(o.request_id, o.new_token_ids, o.finish_reason,
                                     o.num_prompt_tokens, o.num_completion_tokens, o.error,
-                                    o.error_code) for o in obj.outputs],
+                                    o.error_code, o.logprobs) for o in obj.outputs],
                     None if stats is None else [getattr(stats, n) for n in _STATS_FIELDS]]
         index = _INDEX.get(type(obj))
         if index is not None:

@@ -77,6 +77,10 @@ class Ping:
 # ---- engine -> API ------------------------------------------------------------------------
 
 
+# One generated token's log-probabilities: [of the token, [top ids], [their log-probs]]
+TokenLogprobs = list
+
+
 @dataclass
 class RequestOutput:
     """The tokens one request gained in one engine step."""
@@ -88,6 +92,7 @@ class RequestOutput:
     num_completion_tokens: int = 0
     error: str | None = None  # for logs and the client's message; the code decides
     error_code: int = ErrorCode.NONE
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
 
 
 @dataclass

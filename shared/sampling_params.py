@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_LOGPROBS = 20  # most top alternatives per token (vLLM's default --max-logprobs)
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0  # EOS and stop_token_ids cannot end the completion before this
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token, bias)
+    # None: no log-probabilities; k: the sampled token's and the k most likely ones', from
+    # the distribution sampled (engine_proc/sampler.py)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -52,6 +56,8 @@ class SamplingParams:
             raise ValueError("logit_bias values must be in [-100, 100]")
         if any(t < 0 for t, _ in bias):
             raise ValueError("logit_bias token ids must not be negative")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         object.__setattr__(self, "logit_bias", bias)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 

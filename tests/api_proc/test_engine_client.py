@@ -328,3 +328,15 @@ async def test_a_silent_api_process_s_requests_are_aborted(start_engine_double, 
     await client.close()  # gone without a word, as a crashed API process would be
     await _wait_for(lambda: "orphan" in double.log()["aborted"], "the engine to abort it")
     assert double.log()["running"] == []
+
+
+async def test_merged_outputs_keep_one_logprob_entry_per_token():
+    engine = WireRecorder("a")
+    stream = EngineClient([engine]).submit(_req("x", prompt_len=3, max_tokens=10))
+    engine.answer(RequestOutput("x", [1], None, 3, 1, logprobs=[[-0.1, [1], [-0.1]]]))
+    assert (await stream.__anext__()).logprobs == [[-0.1, [1], [-0.1]]]
+    engine.answer(RequestOutput("x", [2], None, 3, 2, logprobs=[[-0.2, [2], [-0.2]]]))
+    engine.answer(RequestOutput("x", [3], "length", 3, 3, logprobs=[[-0.3, [3], [-0.3]]]))
+    out = await stream.__anext__()
+    assert out.new_token_ids == [2, 3]
+    assert out.logprobs == [[-0.2, [2], [-0.2]], [-0.3, [3], [-0.3]]]

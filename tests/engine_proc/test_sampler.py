@@ -3,6 +3,10 @@ import torch
 from engine_proc.sampler import Sampler, SamplingBatch
 
 
+def sample(logits, params):
+    return Sampler()(logits, params)[0]
+
+
 def make_params(n, temperature=1.0, top_p=1.0, top_k=None, seeds=None, vocab=50):
     temps = torch.full((n,), float(temperature))
     greedy = temps == 0
@@ -25,7 +29,7 @@ def make_params(n, temperature=1.0, top_p=1.0, top_k=None, seeds=None, vocab=50)
 
 def test_greedy_is_argmax():
     logits = torch.randn(4, 50)
-    out = Sampler()(logits, make_params(4, temperature=0.0))
+    out = sample(logits, make_params(4, temperature=0.0))
     assert torch.equal(out, logits.argmax(-1))
 
 
@@ -35,49 +39,76 @@ def test_mixed_greedy_and_sampled_rows():
     params.greedy = torch.tensor([True, False])
     params.all_greedy = False
     for _ in range(20):
-        assert Sampler()(logits, params)[0] == logits[0].argmax()
+        assert sample(logits, params)[0] == logits[0].argmax()
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy():
     logits = torch.randn(8, 50)
-    assert torch.equal(Sampler()(logits, make_params(8, top_k=1)), logits.argmax(-1))
-    assert torch.equal(Sampler()(logits, make_params(8, top_p=1e-6)), logits.argmax(-1))
+    assert torch.equal(sample(logits, make_params(8, top_k=1)), logits.argmax(-1))
+    assert torch.equal(sample(logits, make_params(8, top_p=1e-6)), logits.argmax(-1))
 
 
 def test_top_k_restricts_support():
     torch.manual_seed(0)
     logits = torch.randn(1, 50).repeat(2000, 1)
-    out = Sampler()(logits, make_params(2000, temperature=5.0, top_k=3))
+    out = sample(logits, make_params(2000, temperature=5.0, top_k=3))
     assert set(out.tolist()) == set(logits[0].topk(3).indices.tolist())
 
 
 def test_top_p_restricts_support():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = probs.log().repeat(2000, 1)
-    out = Sampler()(logits, make_params(2000, top_p=0.7, vocab=4))
+    out = sample(logits, make_params(2000, top_p=0.7, vocab=4))
     assert set(out.tolist()) == {0, 1}  # 0.5 < 0.7, 0.5 + 0.3 reaches it
 
 
 def test_sampling_follows_the_distribution():
     torch.manual_seed(0)
     probs = torch.tensor([0.6, 0.3, 0.1])
-    out = Sampler()(probs.log().repeat(20000, 1), make_params(20000, vocab=3))
+    out = sample(probs.log().repeat(20000, 1), make_params(20000, vocab=3))
     freq = torch.bincount(out, minlength=3).float() / 20000
     assert torch.allclose(freq, probs, atol=0.02)
 
 
 def test_seeded_rows_do_not_depend_on_batch_mates():
     logits = torch.randn(3, 50)
-    alone = [Sampler()(logits[1:2], make_params(1, seeds=[42])).item() for _ in range(1)]
+    alone = [sample(logits[1:2], make_params(1, seeds=[42])).item() for _ in range(1)]
     seqs = []
     for _ in range(2):
         params = make_params(3, seeds=[None, 42, 7])
-        seqs.append(Sampler()(logits, params).tolist())
+        seqs.append(sample(logits, params).tolist())
     assert seqs[0][1] == seqs[1][1] == alone[0]
     assert seqs[0][2] == seqs[1][2]
 
 
 def test_different_seeds_differ():
     logits = torch.zeros(1, 1000)
-    a = [Sampler()(logits, make_params(1, seeds=[s])).item() for s in range(10)]
+    a = [sample(logits, make_params(1, seeds=[s])).item() for s in range(10)]
     assert len(set(a)) > 5
+
+
+def test_logprobs_are_of_the_distribution_sampled():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    params = make_params(3, temperature=0.0)
+    params.logprob_rows = torch.tensor([0, 2])
+    params.max_logprobs = 4
+    ids, lp = Sampler()(logits, params)
+    want = torch.log_softmax(logits, -1)
+    assert torch.equal(lp.rows, torch.tensor([0, 2]))
+    assert torch.allclose(lp.sampled, want[[0, 2], ids[[0, 2]]])
+    assert torch.equal(lp.top_ids[:, 0], ids[[0, 2]])  # greedy: the token is the top one
+    assert torch.allclose(lp.top_values, want[[0, 2]].topk(4).values)
+    # sampled rows: after temperature, with the top-k cut at -inf
+    params = make_params(1, temperature=2.0, top_k=3)
+    params.logprob_rows = torch.tensor([0])
+    params.max_logprobs = 5
+    ids, lp = Sampler()(logits[:1], params)
+    scaled = logits[0] / 2.0
+    kept = scaled.topk(3)
+    want = torch.full_like(scaled, -float("inf"))
+    want[kept.indices] = torch.log_softmax(kept.values, -1)
+    assert ids[0] in kept.indices
+    assert torch.allclose(lp.top_values[0, :3], want.topk(3).values)
+    assert torch.isinf(lp.top_values[0, 3:]).all()
+    assert Sampler()(logits, make_params(3))[1] is None

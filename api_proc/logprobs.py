@@ -1,0 +1,65 @@
+"""Log-probabilities in OpenAI's shapes, from the engine's per-token [logprob, top ids, top
+log-probs] (shared/messages.py TokenLogprobs).
+
+A token's `bytes` are its own UTF-8 bytes (a byte-level BPE token may hold part of a
+character); its `token` text is those bytes decoded, a partial character shown as U+FFFD as
+vLLM does. A log-probability of -inf (a token top-k or top-p cut) is sent as -9999.0, as
+vLLM does: JSON has no infinity.
+"""
+
+from __future__ import annotations
+
+import math
+
+from api_proc.detokenizer import TokenDecoder
+
+NEG_INF_LOGPROB = -9999.0
+
+
+def _finite(value: float) -> float:
+    return value if math.isfinite(value) else NEG_INF_LOGPROB
+
+
+class LogprobsFormatter:
+    """Turns engine log-probabilities into chat or completion `logprobs` objects."""
+
+    def __init__(self, decoder: TokenDecoder) -> None:
+        self.decoder = decoder
+
+    def _token(self, token_id: int) -> tuple[str, list[int]]:
+        raw = self.decoder.token_bytes(token_id)
+        return raw.decode("utf-8", errors="replace"), list(raw)
+
+    def chat_content(self, token_ids: list[int], logprobs: list) -> list[dict]:
+        """Entries of `choices[].logprobs.content`, one per token."""
+        entries = []
+        for token_id, (lp, top_ids, top_values) in zip(token_ids, logprobs, strict=True):
+            text, raw = self._token(token_id)
+            top = []
+            for i, v in zip(top_ids, top_values, strict=True):
+                t, b = self._token(i)
+                top.append({"token": t, "logprob": _finite(v), "bytes": b})
+            entries.append({"token": text, "logprob": _finite(lp), "bytes": raw,
+                            "top_logprobs": top})
+        return entries
+
+    def completion(self, token_ids: list[int], logprobs: list, offset: int) -> dict:
+        """A completion choice's `logprobs` for these tokens; `offset`: the completion's
+        length in characters before them (text_offset counts from there)."""
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        for token_id, (lp, top_ids, top_values) in zip(token_ids, logprobs, strict=True):
+            text, _ = self._token(token_id)
+            tokens.append(text)
+            token_logprobs.append(_finite(lp))
+            tops.append({self._token(i)[0]: _finite(v)
+                         for i, v in zip(top_ids, top_values, strict=True)})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
+                "text_offset": offsets}
+
+
+def merge_completion(parts: list[dict]) -> dict:
+    """One completion `logprobs` object from the objects of successive outputs."""
+    return {key: [v for part in parts for v in part[key]]
+            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
