@@ -84,6 +84,10 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V is in the cache
         self.block_table: list[int] = []
+        # prefix caching: hashes of the full blocks hashed so far (engine_proc/block_hash.py),
+        # and how many leading blocks of block_table the block manager holds as cached
+        self.block_hashes: list[bytes] = []
+        self.num_cached_blocks = 0
         self.images: list[ImageSpan] = images or []
         self.has_images = bool(self.images)
         # mRoPE positions of the prompt ([3, num_prompt_tokens]) and the offset for later

@@ -1,3 +1,4 @@
+import itertools
 import random
 
 import numpy as np
@@ -25,11 +26,15 @@ def make_scheduler(**kw) -> Scheduler:
     return Scheduler(**args)
 
 
-def make_seq(num_tokens=10, max_tokens=4, images=(), **sampling) -> Sequence:
+_PROMPT_TOKEN_IDS = itertools.count(100)
+
+
+def make_seq(num_tokens=10, max_tokens=4, images=(), prompt=None, **sampling) -> Sequence:
+    """A sequence whose prompt (unless given) shares no block with any other's."""
     spans = [ImageSpan(np.zeros((28, 28, 3), np.uint8), (1, 2, 2), off, n) for off, n in images]
     return Sequence(
         f"r{random.random()}",
-        [5] * num_tokens,
+        [next(_PROMPT_TOKEN_IDS)] * num_tokens if prompt is None else prompt,
         SamplingParams(max_tokens=max_tokens, **sampling),
         spans,
     )
@@ -72,8 +77,8 @@ def run_all(sched: Scheduler, max_steps: int = 10_000) -> int:
     while not sched.is_finished():
         batch, _ = step(sched)
         assert batch, "nothing scheduled while requests are unfinished (deadlock)"
-        held = sum(len(s.block_table) for s in sched.running)
-        assert held + sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+        held = {b for s in sched.running for b in s.block_table}
+        assert len(held) + sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
         steps += 1
         assert steps < max_steps
     return steps
