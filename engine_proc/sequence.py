@@ -21,7 +21,8 @@ class ImageSpan:
     """One image of a prompt: its uint8 pixels until encoded, its embeddings until the
     chunk that covers its last placeholder token has run, then nothing (R3). An image
     encoded over several steps (see `Scheduler`) holds, between them, the vision tower's
-    hidden states instead of its pixels."""
+    hidden states instead of its pixels. An image whose placeholder tokens all lie in a
+    cached prefix (prefix caching) is released at admission, never encoded."""
 
     __slots__ = ("grid_thw", "offset", "length", "key", "pixels", "hidden", "stages_done",
                  "embeds", "__weakref__")

@@ -31,7 +31,8 @@ def config(model_path):
 
 @pytest.fixture(scope="module")
 def engines(model_path):
-    """(caching on, caching off), each made on first use per engine settings."""
+    """engines(caching, **settings): one engine per settings, made on first use (the
+    tiny models load in about a second; tests share them)."""
     made: dict = {}
 
     def get(caching: bool, **kw) -> LLMEngine:
