@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import psutil
 from prometheus_client import (
@@ -13,6 +13,10 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+from shared.messages import EngineStats
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -21,7 +25,8 @@ class Metrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self, *, num_waiting: Callable[[], float], num_running: Callable[[], float],
-                 mm_inflight_bytes: Callable[[], float], mm_inflight_budget: int):
+                 mm_inflight_bytes: Callable[[], float], mm_inflight_budget: int,
+                 engine_stats: Callable[[], Iterable[EngineStats | None]]):
         self.registry = r = CollectorRegistry()
         self.requests = Counter("flatserve_requests", "Finished HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
@@ -46,9 +51,32 @@ class Metrics:
         process = psutil.Process()
         Gauge("flatserve_process_rss_bytes", "Resident set size of the API process",
               registry=r).set_function(lambda: process.memory_info().rss)
+        r.register(PrefixCacheCollector(engine_stats))
 
     def count_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class PrefixCacheCollector(Collector):
+    """The engines' prefix-cache counters, summed at each scrape from the stats they send
+    with every step. A custom collector, not prometheus_client Counters: the engines keep
+    the cumulative values and a Counter can only be incremented, so mirroring them would
+    mean tracking per-engine deltas here; a collector reports them as counters (`_total`)
+    as they are."""
+
+    def __init__(self, engine_stats: Callable[[], Iterable[EngineStats | None]]):
+        self.engine_stats = engine_stats
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        stats = [s for s in self.engine_stats() if s is not None]
+        yield CounterMetricFamily(
+            "flatserve_prefix_cache_queries",
+            "Prompt tokens looked up in the engines' prefix caches at admission",
+            value=sum(s.prefix_cache_queries for s in stats))
+        yield CounterMetricFamily(
+            "flatserve_prefix_cache_hits",
+            "Prompt tokens found in the engines' prefix caches at admission (not computed)",
+            value=sum(s.prefix_cache_hits for s in stats))

@@ -32,7 +32,8 @@ class LLMEngine:
     KV cache size: `num_kv_blocks` if given, else `kv_cache_memory_bytes`, else
     `kv_cache_memory_fraction` of free device memory on CUDA or 256 MiB on CPU; never more
     blocks than `max_num_seqs` sequences of `max_model_len` tokens could use. `device`
-    defaults to cuda when available, `dtype` to the checkpoint's."""
+    defaults to cuda when available, `dtype` to the checkpoint's. `enable_prefix_caching`:
+    reuse the KV blocks of earlier requests with the same leading tokens and images."""
 
     def __init__(
         self,
@@ -46,6 +47,7 @@ class LLMEngine:
         kv_cache_memory_bytes: int | None = None,
         kv_cache_memory_fraction: float = 0.8,
         block_size: int = EngineConfig.block_size,
+        enable_prefix_caching: bool = EngineConfig.enable_prefix_caching,
         max_waiting: int = EngineConfig.max_waiting,
         device: str | None = None,
         dtype: str | None = None,
@@ -75,6 +77,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             max_waiting=max_waiting,
             eos_token_ids=self.config.eos_token_ids,
+            enable_prefix_caching=enable_prefix_caching,
         )
         self.seqs: dict[str, Sequence] = {}  # unfinished, by request id
         self.mm_seqs: list[Sequence] = []  # unfinished and still holding image data
@@ -91,6 +94,7 @@ class LLMEngine:
             num_kv_blocks=config.num_kv_blocks or None,
             kv_cache_memory_bytes=config.kv_cache_memory_bytes or None,
             block_size=config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
             max_waiting=config.max_waiting,
             device=config.device,
             dtype=config.dtype,
@@ -181,6 +185,8 @@ class LLMEngine:
             mm_bytes_held=sum(seq.mm_bytes for seq in self.mm_seqs),
             num_requests_finished=self.scheduler.num_finished,
             max_requests=self.max_requests,
+            prefix_cache_queries=self.scheduler.num_prefix_cache_queries,
+            prefix_cache_hits=self.scheduler.num_prefix_cache_hits,
         )
 
     @property

@@ -23,6 +23,12 @@ max_tokens, capped at max_model_len): it never asks for a block later and is nev
 preempted. A text-only sequence that cannot grow preempts the newest text-only sequence not
 yet scheduled this step, or itself. Image sequences always finish and free their blocks,
 so the queue always drains. Requests that could never fit are rejected at `add`.
+
+With prefix caching, a sequence admitted from the waiting queue starts after the longest
+run of its full blocks already in the cache (see `BlockManager`), one token short of its
+end at most. Its images wholly inside that run are never encoded (released at admission,
+R3); an image the run ends inside is encoded whole and only its rows after the run used.
+A preempted text sequence re-admitted this way finds its own blocks if they survived.
 """
 
 from __future__ import annotations
@@ -85,24 +91,25 @@ class _EncoderBudget:
         self.staged = staged
         self.stage: ImageSpan | None = None
 
-    def fit(self, seq: Sequence, num_new: int) -> int:
-        """How many of `num_new` tokens from `seq`'s first uncomputed one the step can take:
-        up to the first image it cannot encode within the budget (at least one image per
-        step, however large, when the model's tower has a single stage) or that is still
-        being encoded in stages. Charges the images the returned chunk reaches."""
-        start = seq.num_computed_tokens
+    def fit(self, seq: Sequence, start: int, num_new: int) -> int:
+        """How many of `num_new` tokens from `seq`'s token `start` (its first uncomputed
+        one) the step can take: up to the first image it cannot encode within the budget
+        (at least one image per step, however large, when the model's tower has a single
+        stage) or that is still being encoded in stages. Charges the images the returned
+        chunk reaches. An image that starts before `start` but ends after it (a prefix
+        cache hit ending inside it) is encoded whole unless that happened already."""
         for image in seq.images:
             if image.offset >= start + num_new:
                 break
-            if image.offset < start or image.embeds is not None:
-                continue  # encoded already: by an earlier chunk, or ahead in stages
+            if image.end <= start or image.embeds is not None:
+                continue  # consumed already, or encoded by an earlier chunk or in stages
             patches = image.num_patches
             if patches > self.max_patches and self.num_stages > 1:
                 if not self.used and self.staged in (None, image):
                     self.take_stage(image)
-                return image.offset - start
+                return max(image.offset - start, 0)
             if self.used and patches > self.left:
-                return image.offset - start
+                return max(image.offset - start, 0)
             self.left -= patches
             self.used = True
         return num_new
@@ -126,6 +133,7 @@ class Scheduler:
         max_num_encoder_patches: int = 4096,
         num_encoder_stages: int = 1,
         eos_token_ids: tuple[int, ...] = (),
+        enable_prefix_caching: bool = True,
     ):
         if max_num_batched_tokens < max_num_seqs:
             # every running sequence must get its decode token each step, or some starve
@@ -133,7 +141,7 @@ class Scheduler:
                 f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least "
                 f"max_num_seqs ({max_num_seqs})"
             )
-        self.block_manager = BlockManager(num_kv_blocks, block_size)
+        self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -146,6 +154,10 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_finished = 0
         self.num_preemptions = 0
+        # prefix caching, cumulative over admissions (vLLM's meaning): tokens looked up,
+        # tokens found cached
+        self.num_prefix_cache_queries = 0
+        self.num_prefix_cache_hits = 0
 
     @property
     def num_waiting(self) -> int:
@@ -220,7 +232,7 @@ class Scheduler:
                 continue  # preempted to make room for a decode
             num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             if seq.has_images:
-                num_new = encoder.fit(seq, num_new)
+                num_new = encoder.fit(seq, seq.num_computed_tokens, num_new)
             if num_new:
                 batch.add(seq, num_new)
                 budget -= num_new
@@ -229,25 +241,40 @@ class Scheduler:
             if preempted and self.running:
                 break
             seq = self.waiting[0]
+            cached = self.block_manager.find_cached_blocks(seq)
             num_tokens = self.num_tokens_to_reserve(seq)
-            if not self.block_manager.can_allocate(num_tokens):
+            if not self.block_manager.can_allocate(num_tokens, cached):
                 break
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_cached_tokens = len(cached) * block_size
+            num_new = min(seq.num_tokens - num_cached_tokens, budget)
             if seq.has_images:
-                num_new = encoder.fit(seq, num_new)
-            if not num_new:
-                break  # its first image waits for the next step's encoder budget (FIFO)
+                num_new = encoder.fit(seq, num_cached_tokens, num_new)
+                # a chunk of none may still be admitted: its image's first vision stage
+                # runs in this step (an image that starts inside the cached prefix)
+                if not num_new and not any(image is encoder.stage for image in seq.images):
+                    break  # its first image waits for the next step's encoder budget (FIFO)
             self.waiting.popleft()
-            self.block_manager.allocate(seq, num_tokens)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            batch.add(seq, num_new)
-            budget -= num_new
+            self.block_manager.allocate(seq, num_tokens, cached)
+            self._admit(seq, num_cached_tokens)
+            if num_new:
+                batch.add(seq, num_new)
+                budget -= num_new
         if encoder.stage is None and encoder.staged is not None and not encoder.used:
             encoder.take_stage(encoder.staged)  # its sequence was not reached this step
         batch.encoder_stage = encoder.stage
         self.staged = encoder.staged
         return batch
+
+    def _admit(self, seq: Sequence, num_cached_tokens: int) -> None:
+        """Start running `seq`, whose first `num_cached_tokens` tokens were found cached."""
+        if self.block_manager.enable_prefix_caching:
+            self.num_prefix_cache_queries += seq.num_tokens
+            self.num_prefix_cache_hits += num_cached_tokens
+        seq.num_computed_tokens = num_cached_tokens
+        if num_cached_tokens and seq.has_images:
+            seq.release_consumed_images()  # R3: wholly cached, they are never encoded
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     def _make_room(self, seq: Sequence, scheduled: set[int]) -> bool:
         """Preempt until `seq` can take its next token; False if `seq` itself had to go."""
@@ -286,6 +313,7 @@ class Scheduler:
         it = iter(sampled_token_ids)
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += num_new
+            self.block_manager.cache_computed_blocks(seq)
             if seq.has_images:
                 seq.release_consumed_images()  # R3: the chunk that consumed them has run
             if seq.num_computed_tokens < seq.num_tokens:

@@ -21,7 +21,8 @@ class ImageSpan:
     """One image of a prompt: its uint8 pixels until encoded, its embeddings until the
     chunk that covers its last placeholder token has run, then nothing (R3). An image
     encoded over several steps (see `Scheduler`) holds, between them, the vision tower's
-    hidden states instead of its pixels."""
+    hidden states instead of its pixels. An image whose placeholder tokens all lie in a
+    cached prefix (prefix caching) is released at admission, never encoded."""
 
     __slots__ = ("grid_thw", "offset", "length", "key", "pixels", "hidden", "stages_done",
                  "embeds", "__weakref__")
@@ -88,6 +89,10 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V is in the cache
         self.block_table: list[int] = []
+        # prefix caching: hashes of the full blocks hashed so far (engine_proc/block_hash.py),
+        # and how many leading blocks of block_table the block manager holds as cached
+        self.block_hashes: list[bytes] = []
+        self.num_cached_blocks = 0
         self.images: list[ImageSpan] = images or []
         self.has_images = bool(self.images)
         # mRoPE positions of the prompt ([3, num_prompt_tokens]) and the offset for later

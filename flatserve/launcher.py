@@ -34,6 +34,7 @@ ENGINE_FLAGS = (
     "max_num_batched_tokens",
     "max_num_encoder_patches",
     "block_size",
+    "enable_prefix_caching",
     "num_kv_blocks",
     "kv_cache_memory_bytes",
     "max_waiting",

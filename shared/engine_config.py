@@ -20,6 +20,9 @@ class EngineConfig:
         "per step, the vision tower cut at its full-attention blocks)")
     max_model_len: int = opt(0, "prompt + completion token limit (0: the model's own)")
     block_size: int = opt(16, "tokens per KV cache block")
+    enable_prefix_caching: bool = opt(
+        True, "reuse the KV cache blocks of earlier requests with the same leading tokens "
+        "and images")
     num_kv_blocks: int = opt(0, "KV cache blocks (0: from --kv-cache-memory-bytes)")
     kv_cache_memory_bytes: int = opt(0, "KV cache bytes (0: 80%% of free GPU memory, 256 MiB on CPU)")
     max_waiting: int = opt(4096, "most requests queued in the engine before it refuses more")

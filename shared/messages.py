@@ -104,6 +104,10 @@ class EngineStats:
     mm_bytes_held: int
     num_requests_finished: int = 0
     max_requests: int = 0  # requests the engine takes at once (running + waiting)
+    # prefix caching, cumulative since the engine started: prompt tokens looked up at
+    # admission, and those found cached
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 @dataclass

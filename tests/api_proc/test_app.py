@@ -66,7 +66,8 @@ def test_models_health_metrics(server):
     for name in ("flatserve_requests_total", "flatserve_prompt_tokens_total",
                  "flatserve_completion_tokens_total", "flatserve_time_to_first_token_seconds_bucket",
                  "flatserve_requests_waiting_admission", "flatserve_requests_running",
-                 "flatserve_mm_inflight_bytes", "flatserve_process_rss_bytes"):
+                 "flatserve_mm_inflight_bytes", "flatserve_process_rss_bytes",
+                 "flatserve_prefix_cache_queries_total", "flatserve_prefix_cache_hits_total"):
         assert name in text, name
     assert 'flatserve_requests_total{endpoint="chat",status="200"} 1.0' in text
 

@@ -1,3 +1,4 @@
+import itertools
 import random
 
 import numpy as np
@@ -25,11 +26,15 @@ def make_scheduler(**kw) -> Scheduler:
     return Scheduler(**args)
 
 
-def make_seq(num_tokens=10, max_tokens=4, images=(), **sampling) -> Sequence:
+_PROMPT_TOKEN_IDS = itertools.count(100)
+
+
+def make_seq(num_tokens=10, max_tokens=4, images=(), prompt=None, **sampling) -> Sequence:
+    """A sequence whose prompt (unless given) shares no block with any other's."""
     spans = [ImageSpan(np.zeros((28, 28, 3), np.uint8), (1, 2, 2), off, n) for off, n in images]
     return Sequence(
         f"r{random.random()}",
-        [5] * num_tokens,
+        [next(_PROMPT_TOKEN_IDS)] * num_tokens if prompt is None else prompt,
         SamplingParams(max_tokens=max_tokens, **sampling),
         spans,
     )
@@ -72,8 +77,8 @@ def run_all(sched: Scheduler, max_steps: int = 10_000) -> int:
     while not sched.is_finished():
         batch, _ = step(sched)
         assert batch, "nothing scheduled while requests are unfinished (deadlock)"
-        held = sum(len(s.block_table) for s in sched.running)
-        assert held + sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+        held = {b for s in sched.running for b in s.block_table}
+        assert len(held) + sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
         steps += 1
         assert steps < max_steps
     return steps
@@ -329,3 +334,121 @@ def test_finishing_a_request_mid_stages_frees_its_image_and_moves_on():
     assert batch.encoder_stage is b.images[0]
     run_all(sched)
     assert b.is_finished
+
+
+# ---- prefix caching -----------------------------------------------------------------------
+
+
+def image_seq(prompt: list[int], offset: int, length: int, key: bytes = b"k", **kw) -> Sequence:
+    pixels = np.zeros((28, 28, 3), np.uint8)
+    images = [ImageSpan(pixels, (1, 2, 2), offset, length, key)]
+    return Sequence(f"r{random.random()}", prompt, SamplingParams(**kw), images)
+
+
+def test_admission_starts_after_the_cached_prefix_and_counts_it():
+    sched = make_scheduler(block_size=4)
+    a = make_seq(10, max_tokens=1)
+    sched.add(a)
+    run_all(sched)
+    b = make_seq(prompt=a.token_ids[:9] + [1, 1, 1], max_tokens=1)
+    sched.add(b)
+    batch, _ = step(sched)
+    assert batch.num_new_tokens == [4]  # tokens 8..11: the first two blocks were cached
+    assert sched.num_prefix_cache_queries == 10 + 12 and sched.num_prefix_cache_hits == 8
+    run_all(sched)
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+
+
+def test_an_image_wholly_in_the_cached_prefix_is_released_at_admission():
+    sched = make_scheduler(block_size=4)
+    prompt = list(range(100, 112))
+    first = image_seq(prompt, 2, 4, max_tokens=1)
+    sched.add(first)
+    run_all(sched)
+    again = image_seq(prompt + [1, 2], 2, 4, max_tokens=1)
+    sched.add(again)
+    batch, _ = step(sched)
+    assert again.images[0].released and batch.num_new_tokens == [2]
+
+
+def test_an_image_the_cached_prefix_ends_inside_is_encoded_whole_even_in_stages():
+    # the image covers tokens 2..9; the first request computed and cached blocks 0 and 1
+    # (tokens 0..7) before it was aborted
+    sched = make_scheduler(block_size=4, max_num_batched_tokens=8, max_num_encoder_patches=2,
+                           num_encoder_stages=2)
+    prompt = list(range(100, 116))
+    first = image_seq(prompt, 2, 8)
+    sched.add(first)
+    while first.num_computed_tokens < 8:
+        step(sched)
+    sched.finish(first, "abort")
+    second = image_seq(prompt, 2, 8)
+    sched.add(second)
+    batch, _ = step(sched)  # admitted at token 8 with no chunk: its image's first stage runs
+    assert second.num_computed_tokens == 8 and second in sched.running
+    assert not batch.seqs and batch.encoder_stage is second.images[0]
+    batch, _ = step(sched)
+    assert not batch.seqs and batch.encoder_stage is second.images[0]
+    batch, _ = step(sched)  # the embeddings' rows 6..7 go into the chunk
+    assert batch.seqs == [second] and batch.num_new_tokens == [8]
+    assert second.images[0].released
+    run_all(sched)
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+
+
+def test_an_image_the_cached_prefix_ends_inside_is_charged_to_the_encoder_budget():
+    sched = make_scheduler(block_size=4, max_num_batched_tokens=32, max_num_encoder_patches=4)
+    prompt = list(range(100, 116))
+    # the same image at the same place, then other tokens from token 10: blocks 0 and 1
+    # (tokens 0..7, the image's rows 0..5) are shared
+    first = image_seq(prompt[:10] + [1] * 6, 2, 8, max_tokens=1)
+    sched.add(first)
+    run_all(sched)
+    other = image_seq(list(range(200, 216)), 2, 8)
+    second = image_seq(prompt, 2, 8)
+    sched.add(other)
+    sched.add(second)
+    batch, _ = step(sched)  # other's image takes the whole budget: second waits
+    assert batch.seqs == [other] and second in sched.waiting
+    batch, _ = step(sched)
+    assert batch.seqs == [other, second] and batch.num_new_tokens == [1, 8]
+    assert second.num_computed_tokens == 8 + 8
+    run_all(sched)
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+
+
+def test_random_workload_with_shared_prefixes_keeps_block_accounting():
+    rng = random.Random(1)
+    sched = make_scheduler(num_kv_blocks=24, block_size=4, max_num_batched_tokens=12,
+                           max_num_seqs=5)
+    stems = [list(range(1000 * i, 1000 * i + 30)) for i in range(3)]
+    seqs = []
+    for _ in range(300):
+        if rng.random() < 0.3:
+            n = rng.randint(1, 30)
+            prompt = rng.choice(stems)[:n] + [rng.randint(1, 5) for _ in range(rng.randint(0, 3))]
+            if len(prompt) > 8 and rng.random() < 0.5:
+                seq = image_seq(prompt, 3, 4, max_tokens=rng.randint(1, 30))
+            else:
+                seq = make_seq(prompt=prompt, max_tokens=rng.randint(1, 30))
+            try:
+                sched.add(seq)
+                seqs.append(seq)
+            except RequestRejected:
+                pass
+        if rng.random() < 0.05 and sched.running:
+            sched.finish(rng.choice(sched.running), "abort")
+        if not sched.is_finished():
+            batch, _ = step(sched)
+            assert batch
+        bm = sched.block_manager
+        holders = [0] * bm.num_blocks
+        for s in sched.running:
+            for b in s.block_table:
+                holders[b] += 1
+        assert holders == bm.ref_counts
+        assert all((b in bm.free_block_ids) == (n == 0) for b, n in enumerate(holders))
+    run_all(sched)
+    assert all(s.is_finished for s in seqs)
+    assert sched.num_prefix_cache_hits > 0
+    assert sched.block_manager.num_free_blocks == 24 and not any(sched.block_manager.ref_counts)
