@@ -9,6 +9,7 @@ and not used.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -61,12 +62,92 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+MAX_CONSTRAINT_CHARS = 65536  # of a schema, regex or grammar
+
+
+def _schema_text(schema: dict | str) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            raise ValueError("the JSON schema is not JSON") from None
+    if not isinstance(schema, dict):
+        raise ValueError("the JSON schema must be an object")
+    text = json.dumps(schema)
+    if len(text) > MAX_CONSTRAINT_CHARS:
+        raise ValueError(f"the JSON schema is longer than {MAX_CONSTRAINT_CHARS} characters")
+    return text
+
+
+class JsonSchemaFormat(_Request):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and (self.json_schema is None
+                                           or self.json_schema.schema_ is None):
+            raise ValueError("type json_schema needs json_schema.schema")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"json_schema goes with type json_schema, not {self.type}")
+        if self.json_schema is not None:
+            _schema_text(self.json_schema.schema_)
+        return self
+
+    def constraint(self) -> tuple[str, str] | None:
+        if self.type == "json_object":
+            return ("json_object", "")
+        if self.type == "json_schema":
+            return ("json", _schema_text(self.json_schema.schema_))
+        return None
+
+
+class StructuredOutputsParams(_Request):
+    """vLLM's `structured_outputs` (one of these)."""
+
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = Field(default=None, max_length=MAX_CONSTRAINT_CHARS)
+    choice: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        default=None, min_length=1, max_length=1024)
+    grammar: str | None = Field(default=None, max_length=MAX_CONSTRAINT_CHARS)
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _one(self):
+        given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, regex, choice, "
+                             "grammar, json_object")
+        if self.json_ is not None:
+            _schema_text(self.json_)
+        return self
+
+    def constraint(self) -> tuple[str, str]:
+        if self.json_ is not None:
+            return ("json", _schema_text(self.json_))
+        if self.regex is not None:
+            return ("regex", self.regex)
+        if self.choice is not None:
+            return ("choice", json.dumps(self.choice))
+        if self.grammar is not None:
+            return ("grammar", self.grammar)
+        return ("json_object", "")
+
+
 # field -> the values that ask for nothing (None always does)
 _NEUTRAL: dict[str, tuple] = {
     "tools": ([],),
     "tool_choice": ("none",),
     "parallel_tool_calls": (True, False),  # meaningless without tools, which are refused
-    "response_format": ({"type": "text"},),
 }
 
 
@@ -92,11 +173,18 @@ class _SamplingRequest(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
+    # structured outputs: OpenAI's response_format, or vLLM's guided_* / structured_outputs
+    response_format: ResponseFormat | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = Field(default=None, max_length=MAX_CONSTRAINT_CHARS)
+    guided_choice: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        default=None, min_length=1, max_length=1024)
+    guided_grammar: str | None = Field(default=None, max_length=MAX_CONSTRAINT_CHARS)
+    structured_outputs: StructuredOutputsParams | None = None
     # Not implemented: accepted only at the neutral value a client may send (_NEUTRAL).
     tools: list | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict | None = None
 
     @field_validator("stop")
     @classmethod
@@ -130,6 +218,40 @@ class _SamplingRequest(_Request):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @field_validator("guided_json")
+    @classmethod
+    def _guided_json(cls, v):
+        if v is not None:
+            _schema_text(v)
+        return v
+
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        given = [name for name, value in self._constraints() if value is not None]
+        if len(given) > 1:
+            raise ValueError(f"at most one output constraint, got {', '.join(given)}")
+        return self
+
+    def _constraints(self) -> list[tuple[str, tuple[str, str] | None]]:
+        fmt = self.response_format
+        return [
+            ("response_format", None if fmt is None else fmt.constraint()),
+            ("guided_json", None if self.guided_json is None
+             else ("json", _schema_text(self.guided_json))),
+            ("guided_regex", None if self.guided_regex is None else ("regex", self.guided_regex)),
+            ("guided_choice", None if self.guided_choice is None
+             else ("choice", json.dumps(self.guided_choice))),
+            ("guided_grammar", None if self.guided_grammar is None
+             else ("grammar", self.guided_grammar)),
+            ("structured_outputs", None if self.structured_outputs is None
+             else self.structured_outputs.constraint()),
+        ]
+
+    @property
+    def structured(self) -> tuple[str, str] | None:
+        """(kind, spec) of shared.sampling_params.SamplingParams.structured, or None."""
+        return next((value for _, value in self._constraints() if value is not None), None)
 
 
 class ChatCompletionRequest(_SamplingRequest):

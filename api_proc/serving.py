@@ -138,6 +138,7 @@ class Serving:
                 min_tokens=req.min_tokens or 0,
                 logit_bias=tuple((int(t), b) for t, b in (req.logit_bias or {}).items()),
                 logprobs=req.logprobs,
+                structured=req.structured,
             )
         except ValueError as e:
             message = str(e)
@@ -301,6 +302,7 @@ class _RequestSettings:
     min_tokens: int | None
     logit_bias: dict[str, float] | None
     logprobs: int | None  # top alternatives per token (0: the token's own), None: none
+    structured: tuple[str, str] | None  # what the output must match (kind, spec)
 
     @classmethod
     def of(cls, req) -> _RequestSettings:
@@ -310,4 +312,5 @@ class _RequestSettings:
                    presence_penalty=req.presence_penalty,
                    frequency_penalty=req.frequency_penalty,
                    repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
-                   logit_bias=req.logit_bias, logprobs=req.requested_logprobs)
+                   logit_bias=req.logit_bias, logprobs=req.requested_logprobs,
+                   structured=req.structured)

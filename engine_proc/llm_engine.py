@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import traceback
+from concurrent.futures import FIRST_COMPLETED, wait
 
 import numpy as np
 
@@ -16,6 +17,7 @@ from engine_proc.model_runner import ModelRunner
 from engine_proc.models.mrope import compute_mrope_positions
 from engine_proc.scheduler import RequestRejected, ScheduledBatch, Scheduler
 from engine_proc.sequence import ImageSpan, Sequence
+from engine_proc.structured_output import StructuredOutputs
 from shared.engine_config import EngineConfig
 from shared.image_key import pixels_key
 from shared.messages import AddRequest, EngineStats, ErrorCode, ImageInput, RequestOutput
@@ -24,6 +26,8 @@ from shared.model_config import ModelConfig, load_model_config
 logger = logging.getLogger(__name__)
 
 __all__ = ["LLMEngine", "RequestRejected"]
+
+GRAMMAR_POLL_S = 0.005  # an idle step waits this long for a grammar being compiled
 
 
 class LLMEngine:
@@ -79,6 +83,9 @@ class LLMEngine:
             eos_token_ids=self.config.eos_token_ids,
             enable_prefix_caching=enable_prefix_caching,
         )
+        self.structured = self.model_runner.structured = StructuredOutputs(
+            model_path, self.config.text.vocab_size, self.config.eos_token_ids)
+        self.compiling: list[Sequence] = []  # waiting for their grammar
         self.seqs: dict[str, Sequence] = {}  # unfinished, by request id
         self.mm_seqs: list[Sequence] = []  # unfinished and still holding image data
         self.pending_outputs: list[RequestOutput] = []  # aborts, reported by the next step
@@ -110,6 +117,9 @@ class LLMEngine:
         seq = self._make_sequence(request)
         self.scheduler.add(seq)
         self.seqs[seq.request_id] = seq
+        if request.sampling.structured is not None:
+            seq.grammar_future = self.structured.compile(*request.sampling.structured)
+            self.compiling.append(seq)
         if seq.has_images:
             self.mm_seqs.append(seq)
 
@@ -133,8 +143,13 @@ class LLMEngine:
         """Run one engine step; returns one output per request that gained a token or
         finished in it."""
         outputs, self.pending_outputs = self.pending_outputs, []
+        if self.compiling:
+            outputs.extend(self._take_grammars())
         batch = self.scheduler.schedule()
         if not batch:
+            if self.compiling:  # nothing to run until a grammar is ready: do not spin
+                wait([s.grammar_future for s in self.compiling], GRAMMAR_POLL_S,
+                     FIRST_COMPLETED)
             return outputs
         logprobs = None
         try:
@@ -196,6 +211,28 @@ class LLMEngine:
 
     # ---- helpers ----------------------------------------------------------------------
 
+    def _take_grammars(self) -> list[RequestOutput]:
+        """Give sequences whose grammar compiled their matcher (the scheduler admits them
+        from then on); fail those whose grammar could not compile."""
+        outputs, still = [], []
+        for seq in self.compiling:
+            future = seq.grammar_future
+            if future is None or seq.is_finished:
+                continue  # aborted meanwhile
+            if not future.done():
+                still.append(seq)
+                continue
+            seq.grammar_future = None
+            try:
+                seq.grammar = self.structured.matcher(future.result())
+            except Exception as exc:  # GrammarError: the request's constraint is bad
+                self.scheduler.finish(seq, "error", error=str(exc))
+                seq.error_code = ErrorCode.REJECTED
+                self.seqs.pop(seq.request_id, None)
+                outputs.append(self._output(seq, []))
+        self.compiling = still
+        return outputs
+
     def _fail(self, batch: ScheduledBatch, error: str) -> list[RequestOutput]:
         outputs = []
         seqs = list(batch.seqs)
@@ -223,7 +260,7 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_completion_tokens=seq.num_completion_tokens,
             error=seq.error,
-            error_code=ErrorCode.INTERNAL if seq.error is not None else ErrorCode.NONE,
+            error_code=ErrorCode.NONE if seq.error is None else (seq.error_code or ErrorCode.INTERNAL),
         )
 
     def _make_sequence(self, request: AddRequest) -> Sequence:

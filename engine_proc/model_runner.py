@@ -20,7 +20,7 @@ import torch
 from engine_proc.context import Context, reset_context, set_context
 from engine_proc.logits_adjustments import build_adjustments
 from engine_proc.models.registry import model_class
-from engine_proc.sampler import Sampler, SamplingBatch
+from engine_proc.sampler import GrammarMask, Sampler, SamplingBatch
 from engine_proc.scheduler import ScheduledBatch
 from engine_proc.sequence import ImageSpan, Sequence
 from shared.messages import TokenLogprobs
@@ -94,6 +94,7 @@ class ModelRunner:
         self.model.load_weights(config.path)
         self.model.eval()
         self.sampler = Sampler()
+        self.structured = None  # StructuredOutputs, set by the engine
         self.num_kv_blocks = self._num_kv_blocks(
             num_kv_blocks, kv_cache_memory_bytes, kv_cache_memory_fraction, max_num_kv_blocks
         )
@@ -311,6 +312,7 @@ class ModelRunner:
         all_greedy = all(greedy)
         vocab = self.config.text.vocab_size
         adjustments = build_adjustments(seqs, vocab, self.config.eos_token_ids, self._to_device)
+        grammar_mask = self._grammar_mask(seqs)
         logprob_rows, max_logprobs = None, 0
         if any(p.logprobs is not None for p in params):
             rows = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -319,7 +321,7 @@ class ModelRunner:
         if all_greedy:
             empty = torch.empty(0)
             return SamplingBatch(empty, empty, empty, empty, [], True, False, False, False,
-                                 adjustments, logprob_rows, max_logprobs)
+                                 adjustments, logprob_rows, max_logprobs, grammar_mask)
         top_ks = [p.top_k if p.top_k > 0 else vocab for p in params]
         generators = [self._generator(s) if s.sampling.seed is not None else None for s in seqs]
         return SamplingBatch(
@@ -340,7 +342,16 @@ class ModelRunner:
             adjustments=adjustments,
             logprob_rows=logprob_rows,
             max_logprobs=max_logprobs,
+            grammar_mask=grammar_mask,
         )
+
+    def _grammar_mask(self, seqs: list[Sequence]) -> GrammarMask | None:
+        if self.structured is None or not any(s.grammar is not None for s in seqs):
+            return None
+        rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        bitmask = self.structured.bitmask([seqs[i].grammar for i in rows], rows, len(seqs),
+                                          self.device)
+        return GrammarMask(self.structured.apply, bitmask, rows)
 
     def _generator(self, seq: Sequence) -> torch.Generator:
         if seq.generator is None:

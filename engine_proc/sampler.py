@@ -14,6 +14,7 @@ its adjusted logits at temperature 1, so its token is its top-1.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,16 @@ class SamplingBatch:
     adjustments: LogitsAdjustments | None = None  # penalties, logit_bias, min_tokens
     logprob_rows: torch.Tensor | None = None  # int64 [L]: the rows that want log-probs
     max_logprobs: int = 0  # the most top alternatives any of them wants
+    grammar_mask: GrammarMask | None = None  # structured outputs: the allowed tokens
+
+
+@dataclass
+class GrammarMask:
+    """The tokens each row with a grammar may take (engine_proc/structured_output.py)."""
+
+    apply: Callable[[torch.Tensor, torch.Tensor, list[int]], None]  # (logits, bitmask, rows)
+    bitmask: torch.Tensor
+    rows: list[int]
 
 
 @dataclass
@@ -55,6 +66,9 @@ class Sampler:
         """logits: float [N, V] -> (sampled token ids int64 [N], the log-probabilities of
         the rows that asked for them or None), on the logits' device."""
         logits = logits.float()
+        if params.grammar_mask is not None:  # first: nothing may lift a banned token
+            mask = params.grammar_mask
+            mask.apply(logits, mask.bitmask, mask.rows)
         if params.adjustments is not None:
             logits = params.adjustments.apply(logits)
         # max(dim).indices: the first maximal index, like argmax, and ~2x faster on CPU

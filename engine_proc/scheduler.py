@@ -241,6 +241,8 @@ class Scheduler:
             if preempted and self.running:
                 break
             seq = self.waiting[0]
+            if seq.grammar_future is not None:
+                break  # its grammar is still compiling (FIFO: the queue waits a step or two)
             cached = self.block_manager.find_cached_blocks(seq)
             num_tokens = self.num_tokens_to_reserve(seq)
             if not self.block_manager.can_allocate(num_tokens, cached):
@@ -320,6 +322,8 @@ class Scheduler:
                 continue  # a prefill chunk that did not reach the end: nothing sampled
             token_id = next(it)
             seq.append_token(token_id)
+            if seq.grammar is not None:
+                seq.grammar.accept_token(token_id)
             out.append(seq)
             reason = self._finish_reason(seq, token_id)
             if reason is not None:
@@ -332,6 +336,8 @@ class Scheduler:
             return "stop"
         if token_id in sampling.stop_token_ids:
             return "stop"
+        if seq.grammar is not None and seq.grammar.is_terminated():
+            return "stop"  # the completion matches its grammar and cannot grow
         if seq.num_completion_tokens >= sampling.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
@@ -347,6 +353,10 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.release_multimodal()
         seq.generator = None
+        seq.grammar = None
+        if seq.grammar_future is not None:
+            seq.grammar_future.cancel()
+            seq.grammar_future = None
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.error = error

@@ -103,6 +103,10 @@ class Sequence:
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.error_code = 0  # shared.messages.ErrorCode, when error is set (0: INTERNAL)
+        # structured outputs: the compile of its grammar until done, then its matcher
+        self.grammar_future = None
+        self.grammar = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

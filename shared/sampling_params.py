@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGIT_BIAS_ENTRIES = 1024
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_LOGPROBS = 20  # most top alternatives per token (vLLM's default --max-logprobs)
 
 
@@ -29,6 +30,10 @@ class SamplingParams:
     # None: no log-probabilities; k: the sampled token's and the k most likely ones', from
     # the distribution sampled (engine_proc/sampler.py)
     logprobs: int | None = None
+    # (kind, spec): what the completion must match (engine_proc/structured_output.py):
+    # ("json", schema text), ("json_object", ""), ("regex", pattern), ("choice", JSON list
+    # of strings) or ("grammar", EBNF)
+    structured: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -58,6 +63,12 @@ class SamplingParams:
             raise ValueError("logit_bias token ids must not be negative")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.structured is not None:
+            kind, spec = self.structured
+            if kind not in STRUCTURED_KINDS or not isinstance(spec, str):
+                raise ValueError(f"structured must be (kind, text) with kind one of "
+                                 f"{', '.join(STRUCTURED_KINDS)}, got {self.structured!r}")
+            object.__setattr__(self, "structured", (kind, spec))
         object.__setattr__(self, "logit_bias", bias)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 

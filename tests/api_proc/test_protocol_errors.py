@@ -94,8 +94,7 @@ def test_numbers_that_cannot_reach_the_engine_are_refused(field, value):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("response_format", {"type": "json_object"}),
-    ("tool_choice", "auto"), ("guided_json", {"type": "object"}), ("chat_template_kwargs", {}),
+    ("tool_choice", "auto"), ("chat_template_kwargs", {}),
 ])
 def test_a_field_the_server_does_not_honour_is_refused_by_name(field, value):
     with pytest.raises(ValidationError) as e:
@@ -116,3 +115,37 @@ def test_neutral_values_and_harmless_fields_are_accepted():
         with pytest.raises(ValidationError):
             ChatCompletionRequest.model_validate(
                 {"messages": [{"role": "user", "content": "x"}], **nested})
+
+
+@pytest.mark.parametrize("extra, structured", [
+    ({"response_format": {"type": "json_object"}}, ("json_object", "")),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}, "strict": True}}},
+     ("json", '{"type": "object"}')),
+    ({"guided_json": '{"type": "integer"}'}, ("json", '{"type": "integer"}')),
+    ({"guided_regex": "[a-z]+"}, ("regex", "[a-z]+")),
+    ({"guided_choice": ["a", "b c"]}, ("choice", '["a", "b c"]')),
+    ({"guided_grammar": 'root ::= "x"'}, ("grammar", 'root ::= "x"')),
+    ({"structured_outputs": {"choice": ["y"]}}, ("choice", '["y"]')),
+    ({"structured_outputs": {"json_object": True}}, ("json_object", "")),
+    ({"response_format": {"type": "text"}}, None),
+])
+def test_output_constraints_in_every_spelling(extra, structured):
+    req = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "x"}], **extra})
+    assert req.structured == structured
+
+
+@pytest.mark.parametrize("extra, field", [
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"guided_json": "not json"}, "guided_json"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "at most one output constraint"),
+])
+def test_bad_output_constraints_are_refused(extra, field):
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate(
+            {"messages": [{"role": "user", "content": "x"}], **extra})
+    assert field in format_validation_errors(e.value.errors(include_input=False))
