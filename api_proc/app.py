@@ -76,7 +76,9 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
     metrics = Metrics(num_waiting=lambda: admission.num_waiting,
                       num_running=lambda: engines.num_in_flight,
                       mm_inflight_bytes=lambda: admission.in_flight_bytes,
-                      mm_inflight_budget=config.mm_inflight_budget)
+                      mm_inflight_budget=config.mm_inflight_budget,
+                      engine_stats=lambda: [e.stats for e in engines.engines
+                                            if e.stats is not None])
     serving = Serving(config, builder, loader, admission, engines, metrics)
     responses = ResponseWriter(metrics)
 
