@@ -35,7 +35,7 @@ class KeptImages:
     """The encoded bytes of one request's images, shared by its choices that were sent
     without some pixels, with their admission bytes; dropped when the last one lets go."""
 
-    __slots__ = ("_encoded", "_reservation", "_users", "_loop")
+    __slots__ = ("_encoded", "_reservation", "_users", "_loop", "__weakref__")
 
     def __init__(self, encoded: list[EncodedImage], reservation: Reservation) -> None:
         self._encoded = encoded
