@@ -231,6 +231,8 @@ class Serving:
             # every choice after the first sends its own copy of the pixels to an engine
             per_request = sum(e.resized_bytes for e in encoded)
             need = sum(e.need_bytes for e in encoded) + (len(prompt_ids) - 1) * per_request
+            if any(c.holds_image(e.key) for c in self.engines.engines for e in encoded):
+                need += sum(e.nbytes for e in encoded)  # KeptImages: the bytes outlive decoding
             if held is not None and held.nbytes:
                 reservation = await self.admission.exchange(held, need)
             else:
