@@ -4,6 +4,9 @@
     -> admit (bytes sized from headers) -> decode + resize (worker pool) -> submit to an
     engine -> DROP payload -> first output: release admission -> detokenize -> JSON or SSE
 
+An image whose key the chosen engine's encoder cache holds is neither decoded nor sent
+(its pixels are left out; image_resubmit.py covers the engine having evicted it meanwhile).
+
 `prepare_*` does everything up to the handoff and returns a `Prepared`: ids, counters and
 detokenizers only (R2). The payload lives only in prepare's frame and in the objects it
 hands on with take() semantics, so when prepare returns, nothing in this process reaches the

@@ -75,7 +75,10 @@ class EncoderCache:
         return entry.embeds, entry.grid_thw
 
     def query(self, image: ImageSpan) -> bool:
-        """`fill`, counted as one lookup: once per image, when its request is added."""
+        """`fill`, counted as one lookup: once per image, when its request is added (not
+        counted when the cache is off)."""
+        if not self.enabled:
+            return False
         self.num_queries += 1
         return self.fill(image)
 
