@@ -11,6 +11,9 @@ client costs memory bounded by its max_tokens. An engine that dies (its process 
 leaves pings unanswered for heartbeat_timeout_s) fails all of its requests at once with a
 typed 503; its connection starts over on a fresh socket and the engine is used again once it
 answers.
+
+Each connection mirrors the keys of its engine's encoder cache (StepOutputs.encoder_keys),
+bounded, so the pipeline can leave out the pixels of images the engine holds (serving.py).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from rpc.sockets import check_address, make_socket
 from shared.messages import (
     AbortRequests,
     AddRequest,
+    EncoderKeyNews,
     EngineStats,
     ErrorCode,
     Ping,
@@ -43,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.2
 HEARTBEAT_TIMEOUT_S = 1.0
+MAX_MIRRORED_KEYS = 1 << 16  # 17-byte keys: a few MB at most; the oldest go first
 _POLLIN = int(zmq.POLLIN)
 _EVENTS = int(zmq.EVENTS)
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -67,6 +72,7 @@ class EngineConnection:
         self.on_request_end: Callable[[], None] = lambda: None
         self.num_tokens = 0  # prompt tokens not yet prefilled + completion tokens not yet made
         self.stats: EngineStats | None = None
+        self.encoder_keys: dict[bytes, None] = {}  # the engine's encoder cache, as last heard
         self.lost_reason: str | None = "not connected yet"
         self._ready = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -83,6 +89,11 @@ class EngineConnection:
     def has_room(self) -> bool:
         num_requests = len(self.streams) + self._num_unsettled
         return self.stats is None or num_requests < self.stats.max_requests
+
+    def holds_image(self, key: bytes) -> bool:
+        """Whether the engine's encoder cache held `key` when it last said (a hint: an
+        image sent without pixels on it may still come back ErrorCode.IMAGE_MISSING)."""
+        return bool(key) and key in self.encoder_keys
 
     def death_reason(self) -> str | None:
         if self.process is not None and self.process.poll() is not None:
@@ -159,6 +170,8 @@ class EngineConnection:
         self._unanswered_since = None
         if step.stats is not None:
             self.stats = step.stats
+        if step.encoder_keys is not None:
+            self._apply_key_news(step.encoder_keys)
         if self.lost_reason is not None:
             self.lost_reason = None
             self._ready.set()
@@ -167,6 +180,17 @@ class EngineConnection:
             stream = streams.get(output.request_id)
             if stream is not None:
                 stream._push(output)
+
+    def _apply_key_news(self, news: EncoderKeyNews) -> None:
+        keys = self.encoder_keys
+        if news.reset:
+            keys.clear()
+        for key in news.removed:
+            keys.pop(key, None)
+        for key in news.added:
+            keys[key] = None
+        while len(keys) > MAX_MIRRORED_KEYS:
+            del keys[next(iter(keys))]
 
     # ---- liveness
 
@@ -196,6 +220,7 @@ class EngineConnection:
         if self.lost_reason is None:
             logger.warning("engine %s unavailable: %s", self.address, reason)
         self.lost_reason = reason
+        self.encoder_keys.clear()  # the engine that answers next may be a fresh one
         self._ready.clear()
         self._unanswered_since = None
         self._fail_all(EngineUnavailable(f"engine unavailable: {reason}"))
@@ -290,13 +315,14 @@ class EngineClient:
         finally:
             self._num_waiting_for_room -= 1
 
-    def submit(self, request: AddRequest, mm_reservation: Reservation | None = None
-               ) -> RequestStream:
-        """Send `request` to the least-loaded engine before returning; keep only its id and
-        token counts. `mm_reservation` (its pixels' admission bytes) is released at its
-        first output, when the engine has freed the pixels (R3), or when it ends earlier."""
+    def submit(self, request: AddRequest, mm_reservation: Reservation | None = None,
+               engine: EngineConnection | None = None) -> RequestStream:
+        """Send `request` to `engine` (default: the least-loaded) before returning; keep
+        only its id and token counts. `mm_reservation` (its pixels' admission bytes) is
+        released at its first output, when the engine has freed the pixels (R3), or when it
+        ends earlier."""
         try:
-            engine = self.pick()
+            engine = engine or self.pick()
             stream = RequestStream(engine, request.request_id,
                                    len(request.prompt_token_ids), request.sampling.max_tokens,
                                    mm_reservation)
@@ -323,6 +349,8 @@ _ERRORS: dict[int, tuple[type[HTTPError], str]] = {
     ErrorCode.REJECTED: (BadRequest, "engine_rejected"),
     ErrorCode.BUSY: (EngineUnavailable, "engine_busy"),
     ErrorCode.STOPPING: (EngineUnavailable, "engine_stopping"),
+    # caught by image_resubmit.py, which sends the request again with its pixels
+    ErrorCode.IMAGE_MISSING: (EngineFailed, "image_missing"),
 }
 
 

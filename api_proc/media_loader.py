@@ -41,6 +41,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from api_proc.config import ApiConfig
 from api_proc.errors import BadRequest, PayloadTooLarge
+from shared.image_key import encoded_key
 from shared.image_resize import resize_image, smart_resize
 from shared.messages import ImageInput
 from shared.model_config import ImageProcessorConfig
@@ -80,6 +81,7 @@ class EncodedImage:
     grid_thw: tuple[int, int, int]
     resized_hw: tuple[int, int]
     nbytes: int  # of the encoded data, still known after take()
+    key: bytes = b""  # shared/image_key.py encoded_key: bytes + resize settings
 
     def take(self) -> bytes:
         data, self.data = self.data, None
@@ -214,7 +216,7 @@ def probe_image(data: bytes, max_pixels: int, cfg: ImageProcessorConfig) -> Enco
     p = cfg.patch_size
     return EncodedImage(data=data, format=fmt, mode=mode, width=width, height=height,
                         orientation=orientation, has_alpha=has_alpha, grid_thw=(1, rh // p, rw // p),
-                        resized_hw=(rh, rw), nbytes=len(data))
+                        resized_hw=(rh, rw), nbytes=len(data), key=encoded_key(data, cfg))
 
 
 def _smart_resize(height: int, width: int, cfg: ImageProcessorConfig) -> tuple[int, int]:
@@ -326,7 +328,7 @@ class MediaLoader:
         """Resized uint8 pixels + grid; moves the encoded bytes out of `image` (R1)."""
         grid = image.grid_thw
         pixels, grid = await self._run(decode_and_resize, image.take(), self.image_config, grid)
-        return ImageInput(pixels=pixels, grid_thw=grid)
+        return ImageInput(pixels=pixels, grid_thw=grid, key=image.key)
 
     # -- http(s)
 

@@ -13,7 +13,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from shared.messages import EngineStats
@@ -51,7 +51,16 @@ class Metrics:
         process = psutil.Process()
         Gauge("flatserve_process_rss_bytes", "Resident set size of the API process",
               registry=r).set_function(lambda: process.memory_info().rss)
-        r.register(PrefixCacheCollector(engine_stats))
+        self.image_bytes_skipped = Counter(
+            "flatserve_image_bytes_skipped", "Pixel bytes not sent: the engine's encoder cache "
+            "held the image", registry=r)
+        self.image_decodes_skipped = Counter(
+            "flatserve_image_decodes_skipped", "Images not decoded: the engine's encoder cache "
+            "held them", registry=r)
+        self.image_resubmits = Counter(
+            "flatserve_image_resubmits", "Requests sent again with pixels: the engine had "
+            "evicted an image sent without them", registry=r)
+        r.register(EngineCacheCollector(engine_stats))
 
     def count_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
@@ -60,9 +69,9 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-class PrefixCacheCollector(Collector):
-    """The engines' prefix-cache counters, summed at each scrape from the stats they send
-    with every step. A custom collector, not prometheus_client Counters: the engines keep
+class EngineCacheCollector(Collector):
+    """The engines' prefix-cache and encoder-cache figures, summed at each scrape from the
+    stats they send with every step. A custom collector, not prometheus_client Counters: the engines keep
     the cumulative values and a Counter can only be incremented, so mirroring them would
     mean tracking per-engine deltas here; a collector reports them as counters (`_total`)
     as they are."""
@@ -70,7 +79,7 @@ class PrefixCacheCollector(Collector):
     def __init__(self, engine_stats: Callable[[], Iterable[EngineStats | None]]):
         self.engine_stats = engine_stats
 
-    def collect(self) -> Iterable[CounterMetricFamily]:
+    def collect(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
         stats = [s for s in self.engine_stats() if s is not None]
         yield CounterMetricFamily(
             "flatserve_prefix_cache_queries",
@@ -80,3 +89,16 @@ class PrefixCacheCollector(Collector):
             "flatserve_prefix_cache_hits",
             "Prompt tokens found in the engines' prefix caches at admission (not computed)",
             value=sum(s.prefix_cache_hits for s in stats))
+        yield GaugeMetricFamily(
+            "flatserve_encoder_cache_bytes",
+            "Bytes of vision embeddings in the engines' encoder caches",
+            value=sum(s.encoder_cache_bytes for s in stats))
+        yield GaugeMetricFamily(
+            "flatserve_encoder_cache_entries", "Images in the engines' encoder caches",
+            value=sum(s.encoder_cache_entries for s in stats))
+        yield CounterMetricFamily(
+            "flatserve_encoder_cache_queries", "Images looked up in the engines' encoder caches",
+            value=sum(s.encoder_cache_queries for s in stats))
+        yield CounterMetricFamily(
+            "flatserve_encoder_cache_hits", "Images whose embeddings came from an encoder cache",
+            value=sum(s.encoder_cache_hits for s in stats))

@@ -4,6 +4,9 @@
     -> admit (bytes sized from headers) -> decode + resize (worker pool) -> submit to an
     engine -> DROP payload -> first output: release admission -> detokenize -> JSON or SSE
 
+An image whose key the chosen engine's encoder cache holds is neither decoded nor sent
+(its pixels are left out; image_resubmit.py covers the engine having evicted it meanwhile).
+
 `prepare_*` does everything up to the handoff and returns a `Prepared`: ids, counters and
 detokenizers only (R2). The payload lives only in prepare's frame and in the objects it
 hands on with take() semantics, so when prepare returns, nothing in this process reaches the
@@ -15,6 +18,8 @@ outputs become a response in responses.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -30,6 +35,7 @@ from api_proc.errors import (
     NotFound,
     format_validation_errors,
 )
+from api_proc.image_resubmit import KeptImages, ResubmittingStream
 from api_proc.media_loader import EncodedImage, MediaLoader, MediaRef
 from api_proc.metrics import Metrics
 from api_proc.prompt_builder import PromptBuilder, template_messages
@@ -226,30 +232,58 @@ class Serving:
         ImageInput objects: the pixels exist once in this process whatever n is. Each engine
         request takes its share of the reservation (its pixels' bytes) and gives it back at
         its first output, when the engine has freed them (R3, R4).
+        An image whose key the chosen engine's encoder cache holds goes without pixels and
+        is not even decoded; such a request keeps its images' encoded bytes until its first
+        output, to resend them if the engine evicted one meanwhile (image_resubmit.py).
         `held`: the body's reservation, exchanged for the images' (emptied by the exchange;
         the caller releases it on every other path)."""
         # 503 now, before any pixel is decoded, when no engine is up; wait while all are full
         await self.engines.wait_for_room(self.config.admission_timeout_s)
         reservation = None
-        per_request = sum(e.resized_bytes for e in encoded)  # what each engine request holds
         if encoded:
             # every choice after the first sends its own copy of the pixels to an engine
+            per_request = sum(e.resized_bytes for e in encoded)
             need = sum(e.need_bytes for e in encoded) + (len(prompt_ids) - 1) * per_request
+            if any(c.holds_image(e.key) for c in self.engines.engines for e in encoded):
+                need += sum(e.nbytes for e in encoded)  # KeptImages: the bytes outlive decoding
             if held is not None and held.nbytes:
                 reservation = await self.admission.exchange(held, need)
             else:
                 reservation = await self.admission.acquire(need)
         held = None
         try:
-            images = await self._decode(encoded, reservation) if encoded else []
-            encoded = None
-            streams: list[RequestStream] = []
+            streams: list[RequestStream | ResubmittingStream] = []
             try:
+                images: list[ImageInput | None] = [None] * len(encoded)  # decoded when needed
+                kept = None
                 for i, (ids, params) in enumerate(zip(prompt_ids, sampling, strict=True)):
-                    share = reservation.split(per_request) if reservation is not None else None
-                    streams.append(self.engines.submit(AddRequest(
-                        request_id=f"{rid}-{i}", prompt_token_ids=ids, sampling=params,
-                        images=images), mm_reservation=share))
+                    engine = self.engines.pick()
+                    skip = [engine.holds_image(e.key) for e in encoded]
+                    if any(skip) and kept is None:  # before decoding takes the bytes
+                        kept = KeptImages([dataclasses.replace(e) for e in encoded],
+                                          reservation.split(sum(e.nbytes for e in encoded)))
+                    todo = [j for j, s in enumerate(skip) if not s and images[j] is None]
+                    if todo:
+                        decoded = await self._decode([encoded[j] for j in todo], reservation)
+                        for j, image in zip(todo, decoded, strict=True):
+                            images[j] = image
+                        decoded = None
+                    inputs = [ImageInput(None, e.grid_thw, e.key) if s else images[j]
+                              for j, (e, s) in enumerate(zip(encoded, skip, strict=True))]
+                    self._count_skipped(encoded, skip)
+                    share = None
+                    if reservation is not None:
+                        share = reservation.split(sum(im.nbytes for im in inputs))
+                    request_id = f"{rid}-{i}"
+                    stream = self.engines.submit(AddRequest(
+                        request_id=request_id, prompt_token_ids=ids, sampling=params,
+                        images=inputs), mm_reservation=share, engine=engine)
+                    inputs = None
+                    if any(skip):
+                        stream = ResubmittingStream(stream, kept, functools.partial(
+                            self._resubmit, request_id, ids, params))
+                    streams.append(stream)
+                images = encoded = kept = None  # R1: the engines and KeptImages hold them
             except BaseException:
                 for s in streams:
                     await s.aclose()
@@ -258,6 +292,27 @@ class Serving:
         finally:
             if reservation is not None:
                 reservation.release()
+
+    def _count_skipped(self, encoded: list[EncodedImage], skip: list[bool]) -> None:
+        for e, s in zip(encoded, skip, strict=True):
+            if s:
+                self.metrics.image_bytes_skipped.inc(e.resized_bytes)
+                self.metrics.image_decodes_skipped.inc()
+
+    async def _resubmit(self, request_id: str, ids: list[int], params: SamplingParams,
+                        encoded: list[EncodedImage]) -> RequestStream:
+        """Send a request refused with IMAGE_MISSING again, with every image's pixels."""
+        self.metrics.image_resubmits.inc()
+        reservation = await self.admission.acquire(sum(e.need_bytes for e in encoded))
+        try:
+            images = await self._decode(encoded, reservation)
+            encoded = None
+            share = reservation.split(sum(im.nbytes for im in images))
+            return self.engines.submit(AddRequest(
+                request_id=request_id, prompt_token_ids=ids, sampling=params, images=images),
+                mm_reservation=share)
+        finally:
+            reservation.release()
 
     async def _decode(self, encoded: list[EncodedImage], reservation: Reservation
                       ) -> list[ImageInput]:

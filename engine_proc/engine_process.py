@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from engine_proc.llm_engine import LLMEngine
+from engine_proc.llm_engine import ImageMissing, LLMEngine
 from engine_proc.scheduler import QueueFull, RequestRejected
 from rpc.engine_server import EngineServer
 from shared.engine_config import EngineConfig
@@ -43,8 +43,9 @@ class EngineProcess:
                 if stats.mm_bytes_held < held_mm:
                     release_freed_memory()  # engines keep glibc's dynamic mmap threshold
                 held_mm = stats.mm_bytes_held
-                if outputs:
-                    self.server.send_step(outputs)
+                added, removed = self.engine.take_encoder_key_changes()
+                if outputs or added or removed:
+                    self.server.send_step(outputs, added, removed)
             self.server.send_step(self._fail_unfinished())
         finally:
             self.server.stop()
@@ -63,8 +64,10 @@ class EngineProcess:
             try:
                 self.engine.add_request(command)
             except Exception as exc:  # a bad request fails alone, loudly
-                code = ErrorCode.BUSY if isinstance(exc, QueueFull) else (
-                    ErrorCode.REJECTED if isinstance(exc, RequestRejected) else ErrorCode.INTERNAL)
+                code = (ErrorCode.BUSY if isinstance(exc, QueueFull)
+                        else ErrorCode.IMAGE_MISSING if isinstance(exc, ImageMissing)
+                        else ErrorCode.REJECTED if isinstance(exc, RequestRejected)
+                        else ErrorCode.INTERNAL)
                 logger.warning("request %s refused: %s", request_id, exc)
                 refused.append(RequestOutput(request_id, [], "error", error=str(exc),
                                              error_code=code))

@@ -3,6 +3,11 @@
 A step is three calls: schedule, run the model, post-process. The engine keeps no reference
 to an AddRequest once `add_request` returns: the Sequence copies the token ids and
 holds the image arrays itself, so freeing them there (R3) really frees them.
+
+Images are looked up in the encoder cache (engine_proc/encoder_cache.py) when their request
+is added: a hit takes the cached embeddings and drops the pixels at once. An image sent
+without pixels must be a hit; otherwise the request is refused with ImageMissing
+(ErrorCode.IMAGE_MISSING) and the API sends it again with the pixels.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from concurrent.futures import FIRST_COMPLETED, wait
 
 import numpy as np
 
+from engine_proc.encoder_cache import EncoderCache, tensor_bytes
 from engine_proc.model_runner import ModelRunner
 from engine_proc.models.mrope import compute_mrope_positions
 from engine_proc.scheduler import RequestRejected, ScheduledBatch, Scheduler
@@ -25,7 +31,12 @@ from shared.model_config import ModelConfig, load_model_config
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LLMEngine", "RequestRejected"]
+__all__ = ["ImageMissing", "LLMEngine", "RequestRejected"]
+
+
+class ImageMissing(RequestRejected):
+    """An image came without pixels and its key is not in the encoder cache (evicted since
+    the API process last heard): the API sends the request again with the pixels."""
 
 GRAMMAR_POLL_S = 0.005  # an idle step waits this long for a grammar being compiled
 
@@ -37,7 +48,9 @@ class LLMEngine:
     `kv_cache_memory_fraction` of free device memory on CUDA or 256 MiB on CPU; never more
     blocks than `max_num_seqs` sequences of `max_model_len` tokens could use. `device`
     defaults to cuda when available, `dtype` to the checkpoint's. `enable_prefix_caching`:
-    reuse the KV blocks of earlier requests with the same leading tokens and images."""
+    reuse the KV blocks of earlier requests with the same leading tokens and images.
+    `encoder_cache_bytes`: -1 sizes the encoder cache from the KV cache
+    (ModelRunner.default_encoder_cache_bytes), 0 turns it off."""
 
     def __init__(
         self,
@@ -55,6 +68,7 @@ class LLMEngine:
         max_waiting: int = EngineConfig.max_waiting,
         device: str | None = None,
         dtype: str | None = None,
+        encoder_cache_bytes: int = EngineConfig.encoder_cache_bytes,
     ):
         self.config: ModelConfig = load_model_config(model_path)
         self.max_model_len = min(
@@ -71,6 +85,9 @@ class LLMEngine:
             device=device,
             dtype=dtype,
         )
+        if encoder_cache_bytes < 0:
+            encoder_cache_bytes = self.model_runner.default_encoder_cache_bytes()
+        self.encoder_cache = self.model_runner.encoder_cache = EncoderCache(encoder_cache_bytes)
         self.scheduler = Scheduler(
             num_kv_blocks=self.model_runner.num_kv_blocks,
             block_size=block_size,
@@ -105,6 +122,7 @@ class LLMEngine:
             max_waiting=config.max_waiting,
             device=config.device,
             dtype=config.dtype,
+            encoder_cache_bytes=config.encoder_cache_bytes,
         )
 
     # ---- requests ---------------------------------------------------------------------
@@ -192,17 +210,46 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         block_manager = self.scheduler.block_manager
+        cache = self.encoder_cache
         return EngineStats(
             num_waiting=self.scheduler.num_waiting,
             num_running=self.scheduler.num_running,
             num_kv_blocks_total=block_manager.num_blocks,
             num_kv_blocks_free=block_manager.num_free_blocks,
-            mm_bytes_held=sum(seq.mm_bytes for seq in self.mm_seqs),
+            mm_bytes_held=self._mm_bytes_held(),
             num_requests_finished=self.scheduler.num_finished,
             max_requests=self.max_requests,
             prefix_cache_queries=self.scheduler.num_prefix_cache_queries,
             prefix_cache_hits=self.scheduler.num_prefix_cache_hits,
+            encoder_cache_bytes=cache.num_bytes,
+            encoder_cache_entries=cache.num_entries,
+            encoder_cache_queries=cache.num_queries,
+            encoder_cache_hits=cache.num_hits,
         )
+
+    def take_encoder_key_changes(self) -> tuple[list[bytes], list[bytes]]:
+        """The encoder cache's (added, removed) keys since the last call, for the API."""
+        return self.encoder_cache.take_key_changes()
+
+    def _mm_bytes_held(self) -> int:
+        """Pixels, staged hidden states and embeddings the requests hold, each tensor once:
+        embeddings the encoder cache holds count there (encoder_cache_bytes), and spans of
+        the same image share one tensor."""
+        cache = self.encoder_cache
+        total = 0
+        counted: set[int] = set()
+        for seq in self.mm_seqs:
+            for image in seq.images:
+                if image.pixels is not None:
+                    total += int(image.pixels.nbytes)
+                if image.hidden is not None:
+                    total += tensor_bytes(image.hidden)
+                embeds = image.embeds
+                if embeds is not None and id(embeds) not in counted:
+                    counted.add(id(embeds))
+                    if not cache.holds(image.key, embeds):
+                        total += tensor_bytes(embeds)
+        return total
 
     @property
     def max_requests(self) -> int:
@@ -305,6 +352,10 @@ class LLMEngine:
         cursor = 0
         for i, image in enumerate(images):
             pixels = image.pixels
+            if pixels is None:
+                spans.append(self._cached_span(i, image, placeholder, cursor))
+                cursor += spans[-1].length
+                continue
             if (
                 not isinstance(pixels, np.ndarray)
                 or pixels.dtype != np.uint8
@@ -326,10 +377,41 @@ class LLMEngine:
                     f"image {i}: prompt lacks a run of {length} image tokens for it"
                 )
             key = image.key or pixels_key(pixels, (t, h, w))
-            spans.append(ImageSpan(pixels, (t, h, w), int(run[0]), length, key))
+            span = ImageSpan(pixels, (t, h, w), int(run[0]), length, key)
+            self.encoder_cache.query(span)  # a hit drops the pixels at once
+            spans.append(span)
             cursor += length
         if cursor != len(placeholder):
             raise RequestRejected(
                 f"prompt has {len(placeholder)} image tokens, its {len(images)} images need {cursor}"
             )
         return spans
+
+    def _cached_span(self, i: int, image: ImageInput, placeholder: np.ndarray,
+                     cursor: int) -> ImageSpan:
+        """An image sent without pixels: it must name a cached key with the same grid; the
+        span takes the cached embeddings (its own reference: eviction cannot hurt it)."""
+        key = image.key
+        if not isinstance(key, bytes) or not key:
+            raise RequestRejected(f"image {i}: no pixels and no key")
+        try:
+            t, h, w = (int(x) for x in image.grid_thw)
+        except (TypeError, ValueError):
+            raise RequestRejected(f"image {i}: bad grid_thw {image.grid_thw!r}") from None
+        merge = self.config.vision.spatial_merge_size
+        if t != 1 or h < 1 or w < 1 or h % merge or w % merge:
+            raise RequestRejected(f"image {i}: bad grid_thw {(t, h, w)} (merge {merge})")
+        length = h * w // (merge * merge)
+        run = placeholder[cursor : cursor + length]
+        if len(run) != length or run[-1] - run[0] != length - 1:
+            raise RequestRejected(f"image {i}: prompt lacks a run of {length} image tokens for it")
+        span = ImageSpan(None, (t, h, w), int(run[0]), length, key)
+        if not self.encoder_cache.query(span):
+            if key in self.encoder_cache:
+                raise RequestRejected(f"image {i}: grid_thw {(t, h, w)} does not match the "
+                                      "cached image of that key")
+            raise ImageMissing(f"image {i}: sent without pixels and not in the encoder cache")
+        if span.embeds.shape[0] != length:  # cannot happen: same grid, same token count
+            raise RequestRejected(f"image {i}: cached embeddings have {span.embeds.shape[0]} "
+                                  f"tokens, the grid needs {length}")
+        return span

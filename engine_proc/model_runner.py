@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from engine_proc.context import Context, reset_context, set_context
+from engine_proc.encoder_cache import EncoderCache
 from engine_proc.logits_adjustments import build_adjustments
 from engine_proc.models.registry import model_class
 from engine_proc.sampler import GrammarMask, Sampler, SamplingBatch
@@ -99,6 +100,7 @@ class ModelRunner:
             num_kv_blocks, kv_cache_memory_bytes, kv_cache_memory_fraction, max_num_kv_blocks
         )
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
+        self.encoder_cache = EncoderCache(0)  # sized by the engine (default_encoder_cache_bytes)
 
     # ---- KV cache ---------------------------------------------------------------------
 
@@ -135,6 +137,15 @@ class ModelRunner:
         if num < 1:
             raise ValueError(f"KV cache budget of {memory_bytes} bytes is below one block")
         return int(num)
+
+    def default_encoder_cache_bytes(self) -> int:
+        """An eighth of the KV cache's bytes (see EngineConfig.encoder_cache_bytes); on CUDA
+        at most a quarter of what is left free after the KV cache, so activations keep room."""
+        budget = self.num_kv_blocks * self.kv_block_bytes // 8
+        if self.on_cuda:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = min(budget, free // 4)
+        return budget
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         text = self.config.text
@@ -404,28 +415,46 @@ class ModelRunner:
         return pieces
 
     def _encode(self, images: list[ImageSpan]) -> None:
+        """Encode `images`, except those the encoder cache holds by now (another request
+        may have encoded the same image since this one was added) and all but one of the
+        same image in this step, which share its embeddings."""
+        cache = self.encoder_cache
+        images = [image for image in images if not cache.fill(image)]
         if not images:
             return
-        pixels = [self._pixels_to_device(image.pixels) for image in images]
+        first: dict[bytes, ImageSpan] = {}
+        unique, copies = [], []
         for image in images:
+            owner = first.setdefault(image.key, image)
+            if owner is image:
+                unique.append(image)
+            else:
+                copies.append((image, owner))
+                image.pixels = None
+        pixels = [self._pixels_to_device(image.pixels) for image in unique]
+        for image in unique:
             image.pixels = None  # R3: the embeddings carry everything from here on
-        embeds = self.model.encode_images(pixels, [image.grid_thw for image in images])
+        embeds = self.model.encode_images(pixels, [image.grid_thw for image in unique])
         del pixels
-        for image, emb in zip(images, embeds, strict=True):
-            if emb.untyped_storage().nbytes() > emb.numel() * emb.element_size():
-                emb = emb.clone()  # a view would keep the whole batch's storage alive
+        for image, emb in zip(unique, embeds, strict=True):
             self._store_embeds(image, emb)
+        for image, owner in copies:
+            image.embeds = owner.embeds
 
-    @staticmethod
-    def _store_embeds(image: ImageSpan, embeds: torch.Tensor) -> None:
+    def _store_embeds(self, image: ImageSpan, embeds: torch.Tensor) -> None:
         if embeds.shape[0] != image.length:
             raise RuntimeError(f"image encoded to {embeds.shape[0]} tokens, prompt has {image.length}")
+        if embeds.untyped_storage().nbytes() > embeds.numel() * embeds.element_size():
+            embeds = embeds.clone()  # a view would keep the whole batch's storage alive
         image.embeds = embeds
+        self.encoder_cache.put(image.key, embeds, image.grid_thw)
 
     def _encode_stage(self, image: ImageSpan) -> None:
         """Run the next vision stage of an image encoded over several steps: the first one
         consumes its pixels (R3), the last one leaves its embeddings."""
         if image.stages_done == 0:
+            if self.encoder_cache.fill(image):
+                return  # another request encoded the same image since this one was added
             pixels = self._pixels_to_device(image.pixels)
             image.pixels = None
             hidden = self.model.embed_patches(pixels, image.grid_thw)

@@ -42,6 +42,7 @@ ENGINE_FLAGS = (
     "dtype",
     "torch_threads",
     "engine_nice",
+    "encoder_cache_bytes",
 )
 DEFAULT_MAX_MODEL_LEN = 8192
 

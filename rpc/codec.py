@@ -21,7 +21,14 @@ import msgpack
 import numpy as np
 import zmq
 
-from shared.messages import WIRE_TYPES, AddRequest, EngineStats, RequestOutput, StepOutputs
+from shared.messages import (
+    WIRE_TYPES,
+    AddRequest,
+    EncoderKeyNews,
+    EngineStats,
+    RequestOutput,
+    StepOutputs,
+)
 
 EXT_STRUCT = 1  # data: one byte, the index of the type in WIRE_TYPES
 EXT_ARRAY = 2  # [marker, shape, buffer index | inline bytes]
@@ -43,7 +50,7 @@ _INDEX = {t: i for i, t in enumerate(WIRE_TYPES)}
 _ARRAY = msgpack.ExtType(EXT_ARRAY, b"")
 _STEP_INDEX = _INDEX[StepOutputs]
 _STEP_MARKER = _MARKERS[_STEP_INDEX]
-_STEP_HEAD = msgpack.packb([_STEP_MARKER, None, None])[:4]  # array of 3, then the marker
+_STEP_HEAD = msgpack.packb([_STEP_MARKER, None, None, None])[:4]  # array of 4, the marker
 _STATS_FIELDS = _FIELDS[_INDEX[EngineStats]]
 _local = threading.local()  # one Encoder (a reusable msgpack Packer) per thread
 
@@ -87,11 +94,13 @@ def decode(frames: Sequence[Any]) -> Any:
 
 
 def _decode_step(doc: Any) -> StepOutputs:
-    """The hot path: [marker, rows of plain values, stats values or None], no hooks."""
+    """The hot path: [marker, rows of plain values, stats values or None, encoder key news
+    as [reset, added, removed] or None], no hooks."""
     try:
-        _, rows, stats = msgpack.unpackb(doc, raw=False)
+        _, rows, stats, keys = msgpack.unpackb(doc, raw=False)
         return StepOutputs([RequestOutput(*row) for row in rows],
-                           None if stats is None else EngineStats(*stats))
+                           None if stats is None else EngineStats(*stats),
+                           None if keys is None else EncoderKeyNews(*keys))
     except Exception as e:
         raise DecodeError(f"malformed StepOutputs: {type(e).__name__}: {e}") from None
 
@@ -128,11 +137,12 @@ class _Encoder:
 
     def default(self, obj: Any) -> Any:
         if type(obj) is StepOutputs:  # the hot path: rows of plain values, no marker per output
-            stats = obj.stats
+            stats, keys = obj.stats, obj.encoder_keys
             return [_STEP_MARKER, [(o.request_id, o.new_token_ids, o.finish_reason,
                                     o.num_prompt_tokens, o.num_completion_tokens, o.error,
                                     o.error_code, o.logprobs) for o in obj.outputs],
-                    None if stats is None else [getattr(stats, n) for n in _STATS_FIELDS]]
+                    None if stats is None else [getattr(stats, n) for n in _STATS_FIELDS],
+                    None if keys is None else [keys.reset, keys.added, keys.removed]]
         index = _INDEX.get(type(obj))
         if index is not None:
             return [_MARKERS[index], *[getattr(obj, name) for name in _FIELDS[index]]]

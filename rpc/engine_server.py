@@ -7,6 +7,11 @@ process. It answers pings at once, with the stats the busy loop last published, 
 model step never looks like a dead engine, and it aborts the requests of an API process that
 has gone silent for `peer_timeout_s` (the API pings several times a second).
 
+Encoder cache keys: the busy loop posts, with each step, the keys its encoder cache added and
+removed; every API process learns them with its next message from here (a reply to its
+pings at the latest), so it can leave out the pixels of images the engine holds. A new API
+process first gets every key held now. This is a hint only (ErrorCode.IMAGE_MISSING).
+
 Flow control: the engine holds at most `max_requests` requests. The API reads that capacity
 from the stats and never sends more; an AddRequest beyond it is refused here at once with
 ErrorCode.BUSY and its pixels dropped, so nothing queues in this process without bound.
@@ -30,6 +35,7 @@ from rpc.sockets import make_socket
 from shared.messages import (
     AbortRequests,
     AddRequest,
+    EncoderKeyNews,
     EngineStats,
     ErrorCode,
     Ping,
@@ -41,6 +47,33 @@ log = logging.getLogger(__name__)
 
 MAX_RECV_PER_WAKE = 1024
 MAX_PENDING_PER_PEER = 1000  # steps waiting for a peer whose pipe stays full: it is not reading
+MAX_KEY_NEWS = 4096  # key changes kept for one API process before it gets all keys instead
+
+
+class _KeyNews:
+    """Encoder cache key changes one API process has not heard yet."""
+
+    __slots__ = ("reset", "added", "removed")
+
+    def __init__(self, reset: bool = False, added: list[bytes] = ()) -> None:
+        self.reset = reset
+        self.added: dict[bytes, None] = dict.fromkeys(added)
+        self.removed: set[bytes] = set()
+
+    def record(self, added: list[bytes], removed: list[bytes]) -> None:
+        for key in removed:
+            self.added.pop(key, None)
+            if not self.reset:  # after a reset the peer knows nothing to remove
+                self.removed.add(key)
+        for key in added:
+            self.removed.discard(key)
+            self.added[key] = None
+
+    def __len__(self) -> int:
+        return len(self.added) + len(self.removed)
+
+    def message(self) -> EncoderKeyNews:
+        return EncoderKeyNews(self.reset, list(self.added), list(self.removed))
 
 
 class EngineServer:
@@ -51,7 +84,8 @@ class EngineServer:
         self.stats: EngineStats | None = None  # published by the busy loop, read here
         self._commands: queue.SimpleQueue[AddRequest | AbortRequests] = queue.SimpleQueue()
         self._has_commands = threading.Event()
-        self._steps: queue.SimpleQueue[list[RequestOutput]] = queue.SimpleQueue()
+        self._steps: queue.SimpleQueue[tuple[list[RequestOutput], list[bytes], list[bytes]]] = \
+            queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -59,6 +93,8 @@ class EngineServer:
         self._owner: dict[str, bytes] = {}  # request id -> the API process that sent it
         self._last_seen: dict[bytes, float] = {}
         self._pending: dict[bytes, deque[list[Any]]] = {}  # frames waiting for room
+        self._cache_keys: set[bytes] = set()  # the engine's encoder cache keys, as posted
+        self._key_news: dict[bytes, _KeyNews] = {}  # per API process, not sent yet
 
     # ---- the busy loop's side ---------------------------------------------------------
 
@@ -83,8 +119,11 @@ class EngineServer:
     def wait_for_commands(self, timeout: float) -> None:
         self._has_commands.wait(timeout)
 
-    def send_step(self, outputs: list[RequestOutput]) -> None:
-        self._steps.put(outputs)
+    def send_step(self, outputs: list[RequestOutput], keys_added: list[bytes] = (),
+                  keys_removed: list[bytes] = ()) -> None:
+        """Post a step's outputs and its encoder cache key changes (every API process
+        hears of the keys, with its next message)."""
+        self._steps.put((outputs, list(keys_added), list(keys_removed)))
         os.write(self._wake_w, b"\0")
 
     def stop(self) -> None:
@@ -136,6 +175,8 @@ class EngineServer:
             except zmq.Again:
                 return
             peer = frames[0].bytes
+            if peer not in self._last_seen:  # a new API process: it first hears every key
+                self._key_news[peer] = _KeyNews(True, list(self._cache_keys))
             self._last_seen[peer] = time.monotonic()
             try:
                 message = decode(frames[1:])
@@ -186,9 +227,11 @@ class EngineServer:
     def _route_steps(self, sock: zmq.Socket) -> None:
         while True:
             try:
-                outputs = self._steps.get_nowait()
+                outputs, added, removed = self._steps.get_nowait()
             except queue.Empty:
                 return
+            if added or removed:
+                self._record_keys(added, removed)
             by_peer: dict[bytes, list[RequestOutput]] = {}
             for output in outputs:
                 peer = self._owner.get(output.request_id)
@@ -200,7 +243,19 @@ class EngineServer:
             for peer, mine in by_peer.items():
                 self._post(sock, peer, StepOutputs(mine, self.stats))
 
+    def _record_keys(self, added: list[bytes], removed: list[bytes]) -> None:
+        self._cache_keys.difference_update(removed)
+        self._cache_keys.update(added)
+        for peer, news in self._key_news.items():
+            news.record(added, removed)
+            if len(news) > MAX_KEY_NEWS + len(self._cache_keys):
+                self._key_news[peer] = _KeyNews(True, list(self._cache_keys))
+
     def _post(self, sock: zmq.Socket, peer: bytes, message: StepOutputs) -> None:
+        news = self._key_news.get(peer)
+        if news is not None and (news.reset or len(news)):
+            message.encoder_keys = news.message()
+            self._key_news[peer] = _KeyNews()
         frames = [peer, *encode(message)]
         pending = self._pending.get(peer)
         if pending is None and self._send(sock, peer, frames):
@@ -247,3 +302,4 @@ class EngineServer:
             self._command(AbortRequests(ids))
         self._pending.pop(peer, None)
         self._last_seen.pop(peer, None)
+        self._key_news.pop(peer, None)

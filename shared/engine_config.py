@@ -35,6 +35,12 @@ class EngineConfig:
         -1, "niceness added to each engine process (-1: 10 when it computes on the CPU, so "
         "the API's event loop and image decoding preempt model math; 0 on a GPU)")
     log_level: str = opt("info", "log level")
+    encoder_cache_bytes: int = opt(
+        -1, "bytes of vision embeddings kept for images seen again (skips the vision tower "
+        "and, with the API's image keys, the pixels' trip); 0 turns it off; -1: an eighth of "
+        "the KV cache's bytes (on CUDA at most a quarter of the memory left free after it): an "
+        "image token's embedding is about an eighth of its KV (Qwen2.5-VL-7B: 7 of 56 KiB), "
+        "so the cache then holds about as many image tokens as the KV cache holds tokens")
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_num_encoder_patches",
@@ -46,6 +52,9 @@ class EngineConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
 
+        if self.encoder_cache_bytes < -1:
+            raise ValueError("encoder_cache_bytes must be -1 (auto), 0 (off) or a byte count, "
+                             f"got {self.encoder_cache_bytes}")
         if not -1 <= self.engine_nice <= 19:
             raise ValueError(f"engine_nice must be -1 (auto) or 0-19, got {self.engine_nice}")
 

@@ -12,7 +12,22 @@ import hashlib
 
 import numpy as np
 
+from shared.model_config import ImageProcessorConfig
+
 DIGEST_SIZE = 16
+RESIZE_VERSION = 1  # bump when shared/image_resize.py turns the same bytes into other pixels
+
+
+def encoded_key(data: bytes, cfg: ImageProcessorConfig) -> bytes:
+    """The key of an image's encoded bytes as this resize setting will turn them into
+    pixels: the target size depends on min/max pixels and the factor (patch x merge size);
+    mean, std and rescale factor do not touch the uint8 pixels (the engine applies them),
+    nor does the temporal patch size (the engine repeats frames). Runs before decoding."""
+    h = hashlib.blake2b(digest_size=DIGEST_SIZE, person=b"flatserve-enc")
+    settings = (RESIZE_VERSION, cfg.min_pixels, cfg.max_pixels, cfg.patch_size, cfg.merge_size)
+    h.update(np.asarray(settings, dtype=np.int64).tobytes())
+    h.update(data)
+    return b"e" + h.digest()
 
 
 def pixels_key(pixels: np.ndarray, grid_thw: tuple[int, int, int]) -> bytes:

@@ -27,6 +27,8 @@ class ErrorCode(IntEnum):
     BUSY = 2  # the engine holds as many requests as it takes: 503
     STOPPING = 3  # the engine is shutting down: 503
     INTERNAL = 4  # the model step failed: 500
+    IMAGE_MISSING = 5  # an image sent without pixels is not in the encoder cache (any more):
+    #                    the API sends the request again with the pixels; never reaches a client
 
 
 # ---- API -> engine ------------------------------------------------------------------------
@@ -37,9 +39,11 @@ class ImageInput:
     """One resized image: uint8 pixels of shape (H, W, 3); H and W are multiples of
     patch_size * merge_size. grid_thw is (1, H // patch_size, W // patch_size).
     `key` names the image's content (shared/image_key.py); empty, the engine hashes the
-    pixels itself. Caches key on it: same key, same embeddings."""
+    pixels itself. Caches key on it: same key, same embeddings.
+    `pixels` None: the engine's encoder cache holds this key (the API's mirror says so); the
+    engine takes the cached embeddings or refuses with ErrorCode.IMAGE_MISSING."""
 
-    pixels: np.ndarray
+    pixels: np.ndarray | None
     grid_thw: tuple[int, int, int]
     key: bytes = b""
 
@@ -48,7 +52,7 @@ class ImageInput:
 
     @property
     def nbytes(self) -> int:
-        return int(self.pixels.nbytes)
+        return 0 if self.pixels is None else int(self.pixels.nbytes)
 
 
 @dataclass
@@ -108,6 +112,22 @@ class EngineStats:
     # admission, and those found cached
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    encoder_cache_bytes: int = 0
+    encoder_cache_entries: int = 0
+    encoder_cache_queries: int = 0  # images looked up, since the engine started
+    encoder_cache_hits: int = 0  # images that skipped the vision tower
+
+
+@dataclass
+class EncoderKeyNews:
+    """What changed in the engine's encoder cache since the last message to this API
+    process: forget every key first when `reset` (a first message, or too much news
+    missed), then drop `removed`, then add `added`. A hint for skipping pixels, never
+    trusted for correctness (see ErrorCode.IMAGE_MISSING)."""
+
+    reset: bool = False
+    added: list[bytes] = field(default_factory=list)
+    removed: list[bytes] = field(default_factory=list)
 
 
 @dataclass
@@ -116,6 +136,7 @@ class StepOutputs:
 
     outputs: list[RequestOutput]
     stats: EngineStats | None = None
+    encoder_keys: EncoderKeyNews | None = None
 
 
 WIRE_TYPES: tuple[type, ...] = (

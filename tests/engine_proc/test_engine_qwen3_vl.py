@@ -113,7 +113,9 @@ def test_chunked_prefill_and_staged_encoding_match_transformers(ckpt):
 
 
 def test_embeddings_with_deepstack_die_after_the_last_chunk_covering_the_image(ckpt):
-    engine = make_engine(ckpt.path, max_num_batched_tokens=16, max_num_seqs=2)
+    # the encoder cache off: it would hold them by design (test_encoder_cache_engine.py)
+    engine = make_engine(ckpt.path, max_num_batched_tokens=16, max_num_seqs=2,
+                         encoder_cache_bytes=0)
     engine.add_request(ckpt.request("a", BIG_IMAGE, max_tokens=4, ignore_eos=True))
     seq = engine.seqs["a"]
     (image,) = seq.images

@@ -14,7 +14,14 @@ from engine_proc.llm_engine import LLMEngine
 from shared.messages import AddRequest, ImageInput
 from shared.model_config import load_model_config
 from shared.sampling_params import SamplingParams
-from tests.engine_proc.engine_factory import make_engine
+from tests.engine_proc import engine_factory
+
+
+def make_engine(path, **kw) -> LLMEngine:
+    """The encoder cache off: these tests prove what the requests hold, and a cached tensor
+    would outlive them by design; test_encoder_cache_engine.py proves the cache is then the
+    only holder."""
+    return engine_factory.make_engine(path, **{"encoder_cache_bytes": 0, **kw})
 
 
 @pytest.fixture(scope="module")

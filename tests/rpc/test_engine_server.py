@@ -184,3 +184,27 @@ def test_a_step_posted_before_stop_is_delivered() -> None:
             assert peer.recv().outputs[0].error_code == ErrorCode.STOPPING
         finally:
             peer.close()
+
+
+def test_every_api_process_hears_the_encoder_cache_keys(server):
+    """Key changes reach every peer with its next message (a ping reply at the latest); a
+    peer that connects later first gets every key held now."""
+    a = Peer(server.address)
+    a.send(Ping())
+    first = a.recv()
+    assert first.encoder_keys is not None and first.encoder_keys.reset
+    server.send_step([], [b"k1", b"k2"], [])
+    time.sleep(0.1)
+    server.send_step([], [b"k3"], [b"k1"])
+    time.sleep(0.1)  # routed by the I/O thread before the ping below arrives
+    a.send(Ping())
+    news = a.recv().encoder_keys
+    assert not news.reset and news.added == [b"k2", b"k3"] and news.removed == [b"k1"]
+    a.send(Ping())
+    assert a.recv().encoder_keys is None  # nothing new
+    b = Peer(server.address)
+    b.send(Ping())
+    news = b.recv().encoder_keys
+    assert news.reset and sorted(news.added) == [b"k2", b"k3"] and news.removed == []
+    a.close()
+    b.close()

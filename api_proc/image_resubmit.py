@@ -1,0 +1,124 @@
+"""Requests sent with some images' pixels left out, and their one resubmission with pixels.
+
+The pipeline leaves out the pixels of an image when the chosen engine's encoder cache holds
+its key (EngineConnection.holds_image): neither the decode nor the transfer is needed. That
+mirror lags the engine, so the engine may have evicted the key by the time the request
+arrives. It then refuses the request with ErrorCode.IMAGE_MISSING before producing any
+output, and `ResubmittingStream` decodes the images from their encoded bytes and sends the
+request again, once, with every image's pixels; the client never sees the refusal. The
+engine checks the key when it adds the request and from then on the request holds its own
+reference to the embeddings, so no eviction can change an answer: a request either runs on
+the embeddings of exactly its key or is refused and resent.
+
+R1/R4: to resend, the encoded bytes must still exist. `KeptImages` keeps them, counted in
+the admission budget, until every choice sent without pixels has its first output (the
+point where the engine is past its images, where the pixel reservation is given back too)
+or has ended; then the bytes are dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Awaitable, Callable
+
+from api_proc.admission import Reservation
+from api_proc.engine_client import EngineConnection, RequestStream
+from api_proc.errors import HTTPError
+from api_proc.media_loader import EncodedImage
+from shared.messages import RequestOutput
+
+IMAGE_MISSING = "image_missing"  # the HTTPError code engine_client.py gives that ErrorCode
+
+
+class KeptImages:
+    """The encoded bytes of one request's images, shared by its choices that were sent
+    without some pixels, with their admission bytes; dropped when the last one lets go."""
+
+    __slots__ = ("_encoded", "_reservation", "_users", "_loop", "__weakref__")
+
+    def __init__(self, encoded: list[EncodedImage], reservation: Reservation) -> None:
+        self._encoded = encoded
+        self._reservation = reservation
+        self._users = 0
+        self._loop = asyncio.get_running_loop()
+
+    def hold(self) -> None:
+        self._users += 1
+
+    def copies(self) -> list[EncodedImage]:
+        """Fresh holders of the same bytes: decoding one takes only its own (R1)."""
+        return [dataclasses.replace(e) for e in self._encoded]
+
+    def release(self) -> None:
+        self._users -= 1
+        if self._users <= 0:
+            self._encoded = []
+            self._reservation.release()
+
+    def release_soon(self) -> None:
+        """release() from a finalizer, which may run in any thread."""
+        try:
+            self._loop.call_soon_threadsafe(self.release)
+        except RuntimeError:  # the loop is closed: nothing waits for these bytes any more
+            pass
+
+
+Resubmit = Callable[[list[EncodedImage]], Awaitable[RequestStream]]
+
+
+class ResubmittingStream:
+    """A RequestStream whose request left out some pixels: on IMAGE_MISSING it resubmits
+    the request with pixels (once) and goes on with the new stream."""
+
+    __slots__ = ("_stream", "_kept", "_resubmit", "__weakref__")
+
+    def __init__(self, stream: RequestStream, kept: KeptImages, resubmit: Resubmit) -> None:
+        self._stream = stream
+        self._kept: KeptImages | None = kept
+        self._resubmit: Resubmit | None = resubmit
+        kept.hold()
+
+    @property
+    def request_id(self) -> str:
+        return self._stream.request_id
+
+    @property
+    def engine(self) -> EngineConnection:
+        return self._stream.engine
+
+    @property
+    def finished(self) -> bool:
+        return self._stream.finished
+
+    def __aiter__(self) -> ResubmittingStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        try:
+            output = await self._stream.__anext__()
+        except HTTPError as error:
+            if self._kept is None or error.code != IMAGE_MISSING:
+                self._let_go()
+                raise
+        else:
+            self._let_go()  # the engine is past the images: their bytes can go (R1)
+            return output
+        encoded, resubmit = self._kept.copies(), self._resubmit
+        self._let_go()
+        self._stream = await resubmit(encoded)
+        encoded = resubmit = None
+        return await self._stream.__anext__()
+
+    async def aclose(self) -> None:
+        self._let_go()
+        await self._stream.aclose()
+
+    def _let_go(self) -> None:
+        kept, self._kept, self._resubmit = self._kept, None, None
+        if kept is not None:
+            kept.release()
+
+    def __del__(self) -> None:
+        if self._kept is not None:
+            self._kept.release_soon()
