@@ -303,6 +303,26 @@ def test_flatserve_bench_against_the_tiny_model(tmp_path):
     assert "TTFT" in run.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_multi_turn_against_a_baseline_without_caches(tmp_path):
+    path = tmp_path / "bench.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "flatserve.cli", "bench", "--workload", "multi-turn", "--turns",
+         "3", "--num-requests", "6", "--output-len", "4", "--concurrency", "2",
+         "--image-size", "64", "--prompt-len", "8", "--no-progress", "--json", str(path),
+         "--server-log", str(tmp_path / "server.log"),
+         "--baseline-args", "--no-enable-prefix-caching --encoder-cache-bytes 0",
+         "--", "--max-num-seqs", "8"],
+        capture_output=True, text=True, timeout=230)
+    assert run.returncode == 0, run.stdout + run.stderr
+    data = json.loads(path.read_text())
+    assert data["completed"] == data["baseline"]["completed"] == 6
+    assert data["baseline"]["label"] == "--no-enable-prefix-caching --encoder-cache-bytes 0"
+    assert (tmp_path / "server-baseline.log").exists() and (tmp_path / "server.log").exists()
+    assert "TTFT p50, later turns" in run.stdout and "better by" in run.stdout
+
+
 def test_comparison_rows_are_ratios_in_the_better_direction():
     from flatserve.bench.report import format_comparison
     from flatserve.bench.request import RequestResult
