@@ -117,9 +117,10 @@ class IncrementalDetokenizer:
     State is the UTF-8 decoder's few pending bytes plus at most max(len(stop)) - 1 held
     characters: nothing grows with the completion length (R2)."""
 
-    __slots__ = ("_stream", "_stops", "_max_hold", "_held", "stopped")
+    __slots__ = ("_stream", "_stops", "_max_hold", "_held", "_include_stop", "stopped")
 
-    def __init__(self, decoder: TokenDecoder, stop: list[str] | None = None):
+    def __init__(self, decoder: TokenDecoder, stop: list[str] | None = None,
+                 include_stop_str_in_output: bool = False):
         if decoder.byte_table is not None:
             self._stream: _ByteLevelStream | _WindowStream = _ByteLevelStream(decoder.byte_table)
         else:
@@ -127,6 +128,7 @@ class IncrementalDetokenizer:
         self._stops = tuple(s for s in (stop or ()) if s)
         self._max_hold = max((len(s) for s in self._stops), default=1) - 1
         self._held = ""
+        self._include_stop = include_stop_str_in_output
         self.stopped = False
 
     def step(self, token_ids: list[int]) -> str:
@@ -151,11 +153,12 @@ class IncrementalDetokenizer:
         buf = self._held + text
         if not buf:
             return ""
-        cut = min((i for i in (buf.find(s) for s in self._stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in self._stops if (i := buf.find(s)) >= 0]
+        if found:
+            cut, stop = min(found, key=lambda f: (f[0], -len(f[1])))
             self.stopped = True
             self._held = ""
-            return buf[:cut]
+            return buf[:cut + len(stop)] if self._include_stop else buf[:cut]
         hold = self._hold_length(buf)
         self._held = buf[len(buf) - hold:] if hold else ""
         return buf[:len(buf) - hold]

@@ -85,11 +85,19 @@ class PromptBuilder:
             "eos_token": _token_text(tok_config.get("eos_token")) or "",
         }
         self.decoder = TokenDecoder(self.tokenizer)
+        self._decoder_with_specials: TokenDecoder | None = None
         self.image_token_id = model_config.image_token_id
         self.video_token_id = model_config.video_token_id
         self.merge_size = model_config.image.merge_size
         self.vocab_size = max(model_config.text.vocab_size, self.tokenizer.get_vocab_size())
         self.max_model_len = max_model_len or model_config.text.max_position_embeddings
+
+    @property
+    def decoder_with_specials(self) -> TokenDecoder:
+        """A decoder that writes special tokens out (skip_special_tokens: false)."""
+        if self._decoder_with_specials is None:
+            self._decoder_with_specials = TokenDecoder(self.tokenizer, skip_special_tokens=False)
+        return self._decoder_with_specials
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, max_model_len: int = 0) -> PromptBuilder:

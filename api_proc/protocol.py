@@ -161,6 +161,8 @@ class _SamplingRequest(_Request):
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=64)  # vLLM extension
     ignore_eos: bool = False  # extension
+    skip_special_tokens: bool = True  # vLLM extension: leave special tokens out of the text
+    include_stop_str_in_output: bool = False  # vLLM extension: keep the stop string matched
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)  # vLLM extension
@@ -295,9 +297,10 @@ class CompletionRequest(_SamplingRequest):
         return v
 
     @model_validator(mode="after")
-    def _no_echo(self):
-        if self.echo:
-            raise ValueError("echo is not supported")
+    def _echo_without_logprobs(self):
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs is not supported (the prompt's log-"
+                             "probabilities are not computed)")
         return self
 
     @property

@@ -90,6 +90,9 @@ class ResponseWriter:
     async def collect(self, p: Prepared) -> dict:
         """Run a non-streaming request to the end; the OpenAI response body."""
         outputs = self._outputs(p)
+        for c in p.choices:
+            if c.echo:
+                c.texts.append(c.echo)
         try:
             async for c, out in outputs:
                 text, _, lp = await self._advance(p, c, out)
@@ -122,9 +125,11 @@ class ResponseWriter:
         status = 200
         outputs = self._outputs(p)
         try:
-            if p.kind == "chat":
-                for c in p.choices:
+            for c in p.choices:
+                if p.kind == "chat":
                     yield self._chunk(p, c.index, None, None)
+                elif c.echo:
+                    yield self._chunk(p, c.index, c.echo, None)
             async for c, out in outputs:
                 text, finish, lp = await self._advance(p, c, out)
                 if text or finish or lp:
@@ -171,5 +176,12 @@ def _retrieve(fut: asyncio.Future) -> None:
         fut.exception()
 
 
+# Characters JSON leaves raw that Python's str.splitlines (and clients built on it, such as
+# httpx's aiter_lines) read as line ends, cutting an SSE event in two: written escaped.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _sse(payload: str) -> bytes:
+    if not payload.isascii():
+        payload = payload.translate(_LINE_BREAKS)
     return b"data: " + payload.encode() + b"\n\n"

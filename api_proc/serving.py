@@ -62,6 +62,7 @@ class Choice:
     finish_reason: str | None = None
     texts: list[str] = field(default_factory=list)  # non-streaming responses only
     logprobs: list | None = None  # non-streaming: chat entries or completion parts so far
+    echo: str = ""  # completions with echo: the prompt's text, sent before the completion
     num_chars: int = 0  # of the completion so far (completion logprobs' text_offset)
 
 
@@ -199,6 +200,7 @@ class Serving:
                                   f"max_n={self.config.max_n}", param="prompt")
         requested = req.requested_max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
         settings = _RequestSettings.of(req)
+        echo = req.echo
         req = None
         ids_per_prompt = [self.builder.build_completion(p) for p in prompts]
         for ids in ids_per_prompt:
@@ -212,11 +214,19 @@ class Serving:
                 sampling.append(self._sampling(settings, requested, i))
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = await self._hand_off(rid, prompt_ids, sampling, [])
-        return self._prepared("completion", rid, arrival, settings,
-                              sum(len(ids) for ids in ids_per_prompt), streams)
+        prepared = self._prepared("completion", rid, arrival, settings,
+                                  sum(len(ids) for ids in ids_per_prompt), streams)
+        if echo:
+            texts = [p if isinstance(p, str) else self.builder.decoder.decode(p) for p in prompts]
+            for choice in prepared.choices:  # choices go prompt by prompt, n of each
+                choice.echo = texts[choice.index // settings.n]
+        return prepared
 
     def _prepared(self, kind, rid, arrival, settings, num_prompt_tokens, streams) -> Prepared:
-        choices = [Choice(i, s, IncrementalDetokenizer(self.builder.decoder, settings.stop),
+        decoder = (self.builder.decoder if settings.skip_special_tokens
+                   else self.builder.decoder_with_specials)
+        choices = [Choice(i, s, IncrementalDetokenizer(decoder, settings.stop,
+                                                       settings.include_stop_str_in_output),
                           logprobs=None if settings.logprobs is None else [])
                    for i, s in enumerate(streams)]
         self.metrics.prompt_tokens.inc(num_prompt_tokens)
@@ -358,6 +368,8 @@ class _RequestSettings:
     logit_bias: dict[str, float] | None
     logprobs: int | None  # top alternatives per token (0: the token's own), None: none
     structured: tuple[str, str] | None  # what the output must match (kind, spec)
+    skip_special_tokens: bool
+    include_stop_str_in_output: bool
 
     @classmethod
     def of(cls, req) -> _RequestSettings:
@@ -368,4 +380,5 @@ class _RequestSettings:
                    frequency_penalty=req.frequency_penalty,
                    repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
                    logit_bias=req.logit_bias, logprobs=req.requested_logprobs,
-                   structured=req.structured)
+                   structured=req.structured, skip_special_tokens=req.skip_special_tokens,
+                   include_stop_str_in_output=req.include_stop_str_in_output)

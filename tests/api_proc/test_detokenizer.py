@@ -121,3 +121,15 @@ def test_state_stays_constant_with_length(tokenizer, decoder, window_decoder):
             assert len(detok._held) < len("never-appears")
             if dec is window_decoder:
                 assert len(detok._stream._tokens) <= 8
+
+
+def test_include_stop_str_in_output_keeps_the_earliest_stop():
+    from api_proc.detokenizer import IncrementalDetokenizer
+
+    class Bytes:
+        byte_table = [bytes([i]) for i in range(256)]
+
+    for include, want in ((False, "xx"), (True, "xxab")):
+        d = IncrementalDetokenizer(Bytes(), ["abc", "ab"], include_stop_str_in_output=include)
+        text = "".join(d.step([b]) for b in b"xxabcd")
+        assert d.stopped and text == want

@@ -68,8 +68,9 @@ def test_completion_prompt_forms():
     for prompt in ([], [[1], []]):
         with pytest.raises(ValidationError):
             CompletionRequest(prompt=prompt)
-    with pytest.raises(ValidationError):
-        CompletionRequest(prompt="x", echo=True)
+    assert CompletionRequest(prompt="x", echo=True).echo
+    with pytest.raises(ValidationError, match="echo with logprobs"):
+        CompletionRequest(prompt="x", echo=True, logprobs=1)
 
 
 def test_validation_messages_leave_the_input_out():
