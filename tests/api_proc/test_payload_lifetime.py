@@ -281,13 +281,22 @@ def big_image_content(text: str, n_images: int = 1):
             {"type": "text", "text": text}]
 
 
-@pytest.mark.parametrize("n", [1, 3])
-def test_streaming_request_holds_no_payload_after_handoff(start_app, engine_double, recorded, n):
+# sampling, log-probability and structured-output settings travel beside the images: they
+# must not give the payload another holder
+SETTINGS = {"logprobs": True, "top_logprobs": 2, "frequency_penalty": 0.5, "min_tokens": 1,
+            "logit_bias": {"7": 1.0}, "response_format": {"type": "json_object"}}
+
+
+@pytest.mark.parametrize("n, settings", [(1, {}), (3, {}), (2, SETTINGS)],
+                         ids=["n1", "n3", "n2-settings"])
+def test_streaming_request_holds_no_payload_after_handoff(start_app, engine_double, recorded, n,
+                                                          settings):
     server = start_app(engine_double, loader_cls=RecordingLoader)
     loader = server.app.state.serving.loader
     admission = server.app.state.admission
     payload = json.dumps({"messages": [{"role": "user", "content": big_image_content(
-        "[[gated]] keep streaming", n_images=2)}], "stream": True, "n": n}).encode()
+        "[[gated]] keep streaming", n_images=2)}], "stream": True, "n": n,
+        **settings}).encode()
     tracemalloc.start()
     try:
         client, cm, lines, first = _open_stream_bytes(server, payload)

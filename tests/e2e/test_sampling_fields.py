@@ -56,11 +56,15 @@ def served(oai, stream: bool = False, **extra) -> tuple[str, int]:
     {"frequency_penalty": -1.0, "presence_penalty": 0.5},
 ], ids=["frequency", "presence", "repetition", "mixed"])
 def test_penalties_give_the_offline_engine_s_tokens(oai, offline, settings):
-    plain, _ = offline()
+    plain, plain_tokens = offline()
     want, tokens = offline(**settings)
     assert want != plain, "the setting should change this greedy completion"
     for stream in (False, True):
         assert served(oai, stream, **settings) == (want, len(tokens))
+    if all(v > 0 for k, v in settings.items() if k != "repetition_penalty") and \
+            settings.get("repetition_penalty", 2.0) > 1:
+        # the documented direction: penalised, the completion repeats itself less
+        assert len(set(tokens)) / len(tokens) > len(set(plain_tokens)) / len(plain_tokens)
 
 
 def test_logit_bias_and_min_tokens(oai, offline):
