@@ -78,7 +78,8 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
                       num_running=lambda: engines.num_in_flight,
                       mm_inflight_bytes=lambda: admission.in_flight_bytes,
                       mm_inflight_budget=config.mm_inflight_budget,
-                      engine_stats=lambda: [e.stats for e in engines.engines])
+                      engine_stats=lambda: [e.stats for e in engines.engines],
+                      model_name=config.served_model_name)
     serving = Serving(config, builder, loader, admission, engines, metrics)
     responses = ResponseWriter(metrics, LogprobsFormatter(builder.decoder))
 

@@ -1,4 +1,12 @@
-"""Prometheus metrics of the API process, in a registry of its own (one per app)."""
+"""Prometheus metrics of the API process, in a registry of its own (one per app).
+
+What vLLM measures carries vLLM's names, types, buckets and `model_name` label (`vllm:...`),
+so dashboards and alerts written for vLLM work unchanged; what only flatserve has is named
+`flatserve_...`: HTTP outcomes, admission of image bytes, the caches, the RSS of every
+process. Figures the engines keep (running and waiting requests, KV usage, preemptions,
+cache counters, their RSS) are read from the stats each engine sends with every step, summed
+over engines at each scrape.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +26,13 @@ from prometheus_client.registry import Collector
 
 from shared.messages import EngineStats
 
-TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# vLLM's buckets (vllm/v1/metrics/loggers.py)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                         2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                           40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
 class Metrics:
@@ -26,17 +40,41 @@ class Metrics:
 
     def __init__(self, *, num_waiting: Callable[[], float], num_running: Callable[[], float],
                  mm_inflight_bytes: Callable[[], float], mm_inflight_budget: int,
-                 engine_stats: Callable[[], Iterable[EngineStats | None]]):
+                 engine_stats: Callable[[], Iterable[EngineStats | None]],
+                 model_name: str = "flatserve"):
         self.registry = r = CollectorRegistry()
+        label = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]):
+            return Histogram(name, doc, label, buckets=buckets, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str):
+            return Counter(name, doc, label, registry=r).labels(model_name)
+
+        # ---- vLLM's
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens",
+                                         "Number of generation tokens processed.")
+        self._success = Counter("vllm:request_success", "Count of successfully processed "
+                                "requests.", ["model_name", "finished_reason"], registry=r)
+        self.model_name = model_name
+        self.ttft = histogram("vllm:time_to_first_token_seconds",
+                              "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.inter_token = histogram("vllm:inter_token_latency_seconds",
+                                     "Histogram of inter-token latency in seconds.",
+                                     TOKEN_LATENCY_BUCKETS)
+        self.tpot = histogram("vllm:request_time_per_output_token_seconds",
+                              "Histogram of time_per_output_token_seconds per request.",
+                              TOKEN_LATENCY_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds",
+                             "Histogram of e2e request latency in seconds.",
+                             REQUEST_LATENCY_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.",
+                                    REQUEST_LATENCY_BUCKETS)
+        # ---- flatserve's
         self.requests = Counter("flatserve_requests", "Finished HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
-        self.prompt_tokens = Counter("flatserve_prompt_tokens", "Prompt tokens of served requests",
-                                     registry=r)
-        self.completion_tokens = Counter("flatserve_completion_tokens",
-                                         "Completion tokens streamed back", registry=r)
-        self.ttft = Histogram("flatserve_time_to_first_token_seconds",
-                              "Request arrival to first generated token", buckets=TTFT_BUCKETS,
-                              registry=r)
         self.num_preparing = Gauge("flatserve_requests_preparing",
                                    "Requests loading media or waiting for admission", registry=r)
         Gauge("flatserve_requests_waiting_admission",
@@ -48,9 +86,6 @@ class Metrics:
               registry=r).set_function(mm_inflight_bytes)
         Gauge("flatserve_mm_inflight_budget_bytes", "The cap on flatserve_mm_inflight_bytes",
               registry=r).set(mm_inflight_budget)
-        process = psutil.Process()
-        Gauge("flatserve_process_rss_bytes", "Resident set size of the API process",
-              registry=r).set_function(lambda: process.memory_info().rss)
         self.image_bytes_skipped = Counter(
             "flatserve_image_bytes_skipped", "Pixel bytes not sent: the engine's encoder cache "
             "held the image", registry=r)
@@ -60,45 +95,80 @@ class Metrics:
         self.image_resubmits = Counter(
             "flatserve_image_resubmits", "Requests sent again with pixels: the engine had "
             "evicted an image sent without them", registry=r)
-        r.register(EngineCacheCollector(engine_stats))
+        r.register(EngineStatsCollector(engine_stats, model_name))
 
     def count_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
+
+    def count_finished(self, reason: str) -> None:
+        """A request that ended without an error ("stop", "length", "abort", ...)."""
+        self._success.labels(self.model_name, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
-class EngineCacheCollector(Collector):
-    """The engines' prefix-cache and encoder-cache figures, summed at each scrape from the
-    stats they send with every step. A custom collector, not prometheus_client Counters: the engines keep
-    the cumulative values and a Counter can only be incremented, so mirroring them would
-    mean tracking per-engine deltas here; a collector reports them as counters (`_total`)
-    as they are."""
+class EngineStatsCollector(Collector):
+    """What the engines keep, summed at each scrape from the stats they send with every step.
+    A custom collector, not prometheus_client Counters: the engines keep the cumulative
+    values and a Counter can only be incremented, so mirroring them would mean tracking
+    per-engine deltas here; a collector reports them as they are."""
 
-    def __init__(self, engine_stats: Callable[[], Iterable[EngineStats | None]]):
+    def __init__(self, engine_stats: Callable[[], Iterable[EngineStats | None]],
+                 model_name: str):
         self.engine_stats = engine_stats
+        self.model_name = model_name
+        self.process = psutil.Process()
 
     def collect(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
-        stats = [s for s in self.engine_stats() if s is not None]
-        yield CounterMetricFamily(
-            "flatserve_prefix_cache_queries",
-            "Prompt tokens looked up in the engines' prefix caches at admission",
-            value=sum(s.prefix_cache_queries for s in stats))
-        yield CounterMetricFamily(
-            "flatserve_prefix_cache_hits",
-            "Prompt tokens found in the engines' prefix caches at admission (not computed)",
-            value=sum(s.prefix_cache_hits for s in stats))
+        all_stats = list(self.engine_stats())
+        stats = [s for s in all_stats if s is not None]
+
+        def total(name: str) -> int:
+            return sum(getattr(s, name) for s in stats)
+
+        def vllm(cls, name: str, doc: str, value: float):
+            family = cls(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            return family
+
+        blocks = total("num_kv_blocks_total")
+        used = blocks - total("num_kv_blocks_free")
+        yield vllm(GaugeMetricFamily, "vllm:num_requests_running",
+                   "Number of requests in model execution batches.", total("num_running"))
+        yield vllm(GaugeMetricFamily, "vllm:num_requests_waiting",
+                   "Number of requests waiting to be processed.", total("num_waiting"))
+        yield vllm(GaugeMetricFamily, "vllm:kv_cache_usage_perc",
+                   "KV-cache usage. 1 means 100 percent usage.", used / blocks if blocks else 0.0)
+        yield vllm(CounterMetricFamily, "vllm:num_preemptions",
+                   "Cumulative number of preemption from the engine.", total("num_preemptions"))
+        yield vllm(CounterMetricFamily, "vllm:prefix_cache_queries",
+                   "Prefix cache queries, in terms of number of queried tokens.",
+                   total("prefix_cache_queries"))
+        yield vllm(CounterMetricFamily, "vllm:prefix_cache_hits",
+                   "Prefix cache hits, in terms of number of cached tokens.",
+                   total("prefix_cache_hits"))
+        yield GaugeMetricFamily("flatserve_engine_mm_bytes_held",
+                                "Pixels, vision states and embeddings the engines' requests hold",
+                                value=total("mm_bytes_held"))
         yield GaugeMetricFamily(
             "flatserve_encoder_cache_bytes",
             "Bytes of vision embeddings in the engines' encoder caches",
-            value=sum(s.encoder_cache_bytes for s in stats))
+            value=total("encoder_cache_bytes"))
         yield GaugeMetricFamily(
             "flatserve_encoder_cache_entries", "Images in the engines' encoder caches",
-            value=sum(s.encoder_cache_entries for s in stats))
+            value=total("encoder_cache_entries"))
         yield CounterMetricFamily(
             "flatserve_encoder_cache_queries", "Images looked up in the engines' encoder caches",
-            value=sum(s.encoder_cache_queries for s in stats))
+            value=total("encoder_cache_queries"))
         yield CounterMetricFamily(
             "flatserve_encoder_cache_hits", "Images whose embeddings came from an encoder cache",
-            value=sum(s.encoder_cache_hits for s in stats))
+            value=total("encoder_cache_hits"))
+        rss = GaugeMetricFamily("flatserve_process_rss_bytes",
+                                "Resident set size of each flatserve process",
+                                labels=["process"])
+        rss.add_metric(["api"], self.process.memory_info().rss)
+        for i, s in enumerate(all_stats):
+            if s is not None and s.rss_bytes:
+                rss.add_metric([f"engine {i}"], s.rss_bytes)
+        yield rss

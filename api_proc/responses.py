@@ -60,6 +60,8 @@ class ResponseWriter:
         """New text, finish reason and log-probabilities (chat entries, a completion
         logprobs object, or None) of choice `c` after engine output `out`."""
         ids = out.new_token_ids
+        if ids:
+            self._count_tokens(p, c, out)
         lp = None
         if out.logprobs and ids:
             if p.kind == "chat":
@@ -67,12 +69,6 @@ class ResponseWriter:
             else:
                 lp = self.logprobs.completion(ids, out.logprobs, c.num_chars)
                 c.num_chars += sum(len(t) for t in lp["tokens"])
-        if ids:
-            c.num_tokens += len(ids)
-            self.metrics.completion_tokens.inc(len(ids))
-            if p.first_token_at is None:
-                p.first_token_at = time.monotonic()
-                self.metrics.ttft.observe(p.first_token_at - p.arrival)
         text = c.detok.step(ids)
         finish = out.finish_reason
         if c.detok.stopped:
@@ -81,7 +77,36 @@ class ResponseWriter:
         elif finish is not None:
             text += c.detok.finish()
         c.finish_reason = finish
+        if finish is not None:
+            self._count_finished(p, c, finish)
         return text, finish, lp
+
+    def _count_tokens(self, p: Prepared, c: Choice, out) -> None:
+        """Token counts and latencies of one output with tokens (vLLM's metrics)."""
+        n = len(out.new_token_ids)
+        now = time.monotonic()
+        metrics = self.metrics
+        c.num_tokens += n
+        metrics.generation_tokens.inc(n)
+        if out.queued_s is not None:
+            metrics.queue_time.observe(out.queued_s)
+        if p.first_token_at is None:
+            p.first_token_at = now
+            metrics.ttft.observe(now - p.arrival)
+        if c.last_token_at is not None:  # outputs merged while the reader lagged: n gaps
+            gap = (now - c.last_token_at) / n
+            for _ in range(n):
+                metrics.inter_token.observe(gap)
+        else:
+            c.first_token_at = now
+        c.last_token_at = now
+
+    def _count_finished(self, p: Prepared, c: Choice, finish: str) -> None:
+        now = time.monotonic()
+        self.metrics.count_finished(finish)
+        self.metrics.e2e.observe(now - p.arrival)
+        if c.first_token_at is not None and c.num_tokens > 1:
+            self.metrics.tpot.observe((c.last_token_at - c.first_token_at) / (c.num_tokens - 1))
 
     async def close(self, p: Prepared) -> None:
         for c in p.choices:

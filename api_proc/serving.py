@@ -63,6 +63,8 @@ class Choice:
     texts: list[str] = field(default_factory=list)  # non-streaming responses only
     logprobs: list | None = None  # non-streaming: chat entries or completion parts so far
     echo: str = ""  # completions with echo: the prompt's text, sent before the completion
+    first_token_at: float | None = None  # time.monotonic(), for the latency metrics
+    last_token_at: float | None = None
     num_chars: int = 0  # of the completion so far (completion logprobs' text_offset)
 
 

@@ -7,6 +7,9 @@ step's outputs as one message (rpc/engine_server.py sends it).
 from __future__ import annotations
 
 import logging
+import time
+
+import psutil
 
 from engine_proc.llm_engine import ImageMissing, LLMEngine
 from engine_proc.scheduler import QueueFull, RequestRejected
@@ -26,6 +29,8 @@ class EngineProcess:
         self.engine = LLMEngine.from_config(config)
         self.server = EngineServer(config.address, self.engine.max_requests)
         self.stopping = False
+        self._process = psutil.Process()
+        self._rss_at, self._rss_bytes = -1.0, 0
 
     def run(self) -> None:
         self.server.stats = self.engine.stats()
@@ -40,6 +45,7 @@ class EngineProcess:
                 elif not outputs:
                     self.server.wait_for_commands(IDLE_WAIT_S)
                 stats = self.server.stats = self.engine.stats()
+                stats.rss_bytes = self._rss()
                 if stats.mm_bytes_held < held_mm:
                     release_freed_memory()  # engines keep glibc's dynamic mmap threshold
                 held_mm = stats.mm_bytes_held
@@ -52,6 +58,14 @@ class EngineProcess:
 
     def stop(self) -> None:
         self.stopping = True
+
+    def _rss(self) -> int:
+        """This process's RSS, read at most once a second (a /proc read per step would
+        show in the step time)."""
+        now = time.monotonic()
+        if now - self._rss_at >= 1.0:
+            self._rss_at, self._rss_bytes = now, self._process.memory_info().rss
+        return self._rss_bytes
 
     def _apply(self, commands: list[AddRequest | AbortRequests]) -> list[RequestOutput]:
         refused = []

@@ -183,6 +183,8 @@ class LLMEngine:
             return outputs
         for i, seq in enumerate(self.scheduler.postprocess(batch, token_ids)):
             output = self._output(seq, [seq.last_token_id])
+            if seq.num_completion_tokens == 1 and seq.scheduled_at is not None:
+                output.queued_s = seq.scheduled_at - seq.arrived_at
             if logprobs is not None and logprobs[i] is not None:
                 output.logprobs = [logprobs[i]]
             outputs.append(output)
@@ -225,6 +227,7 @@ class LLMEngine:
             encoder_cache_entries=cache.num_entries,
             encoder_cache_queries=cache.num_queries,
             encoder_cache_hits=cache.num_hits,
+            num_preemptions=self.scheduler.num_preemptions,
         )
 
     def take_encoder_key_changes(self) -> tuple[list[bytes], list[bytes]]:

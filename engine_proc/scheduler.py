@@ -33,6 +33,7 @@ A preempted text sequence re-admitted this way finds its own blocks if they surv
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -273,6 +274,8 @@ class Scheduler:
             self.num_prefix_cache_queries += seq.num_tokens
             self.num_prefix_cache_hits += num_cached_tokens
         seq.num_computed_tokens = num_cached_tokens
+        if seq.scheduled_at is None:
+            seq.scheduled_at = time.monotonic()
         if num_cached_tokens and seq.has_images:
             seq.release_consumed_images()  # R3: wholly cached, they are never encoded
         seq.status = SequenceStatus.RUNNING

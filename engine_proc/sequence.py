@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from enum import Enum, auto
 from itertools import count
 
@@ -101,6 +102,8 @@ class Sequence:
         self.mrope_delta = 0
         self.generator: torch.Generator | None = None
         self.num_preemptions = 0
+        self.arrived_at = time.monotonic()
+        self.scheduled_at: float | None = None  # first admitted to the running batch
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.error_code = 0  # shared.messages.ErrorCode, when error is set (0: INTERNAL)

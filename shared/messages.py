@@ -97,6 +97,7 @@ class RequestOutput:
     error: str | None = None  # for logs and the client's message; the code decides
     error_code: int = ErrorCode.NONE
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
+    queued_s: float | None = None  # with its first token: seconds it waited to be scheduled
 
 
 @dataclass
@@ -116,6 +117,8 @@ class EngineStats:
     encoder_cache_entries: int = 0
     encoder_cache_queries: int = 0  # images looked up, since the engine started
     encoder_cache_hits: int = 0  # images that skipped the vision tower
+    num_preemptions: int = 0  # cumulative
+    rss_bytes: int = 0  # of the engine process, refreshed about once a second
 
 
 @dataclass

@@ -7,6 +7,7 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
 
 from api_proc.protocol import (
@@ -63,12 +64,24 @@ def test_models_health_metrics(server):
     assert health.status_code == 200 and health.json()["status"] == "ok"
     chat(server, "count me")
     text = httpx.get(server.url + "/metrics").text
-    for name in ("flatserve_requests_total", "flatserve_prompt_tokens_total",
-                 "flatserve_completion_tokens_total", "flatserve_time_to_first_token_seconds_bucket",
+    # it parses, and carries vLLM's names and model_name label beside flatserve's own
+    samples = {s.name: s for family in text_string_to_metric_families(text)
+               for s in family.samples}
+    for name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                 "vllm:request_success_total", "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:e2e_request_latency_seconds_count", "vllm:inter_token_latency_seconds_sum",
+                 "vllm:request_time_per_output_token_seconds_count",
+                 "vllm:request_queue_time_seconds_count", "vllm:num_requests_running",
+                 "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total",
+                 "vllm:prefix_cache_hits_total", "flatserve_requests_total",
                  "flatserve_requests_waiting_admission", "flatserve_requests_running",
                  "flatserve_mm_inflight_bytes", "flatserve_process_rss_bytes",
-                 "flatserve_prefix_cache_queries_total", "flatserve_prefix_cache_hits_total"):
-        assert name in text, name
+                 "flatserve_encoder_cache_bytes"):
+        assert name in samples, name
+    assert samples["vllm:prompt_tokens_total"].labels == {"model_name": MODEL}
+    assert samples["vllm:request_success_total"].labels["finished_reason"] in ("stop", "length")
+    assert samples["vllm:e2e_request_latency_seconds_count"].value == 1
     assert 'flatserve_requests_total{endpoint="chat",status="200"} 1.0' in text
 
 
