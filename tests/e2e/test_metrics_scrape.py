@@ -51,3 +51,15 @@ def test_a_scrape_under_load_carries_vllm_names(server, oai):
     assert value(after, "vllm:kv_cache_usage_perc", **m) <= 1
     for process in ("api", "engine 0"):
         assert value(after, "flatserve_process_rss_bytes", process=process) > 10 << 20
+
+
+def test_the_grafana_dashboard_queries_only_metrics_the_server_exports(server):
+    import json
+    import re
+    from pathlib import Path
+
+    dashboard = json.loads(Path("examples/grafana/flatserve.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"(?:vllm:|flatserve_)[a-z0-9_:]+", e)}
+    exported = {name for name, _ in scrape(server)}
+    assert used and used <= exported, used - exported
