@@ -79,7 +79,7 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
                       mm_inflight_bytes=lambda: admission.in_flight_bytes,
                       mm_inflight_budget=config.mm_inflight_budget,
                       engine_stats=lambda: [e.stats for e in engines.engines],
-                      model_name=config.served_model_name)
+                      model_name=config.model_name)
     serving = Serving(config, builder, loader, admission, engines, metrics)
     responses = ResponseWriter(metrics, LogprobsFormatter(builder.decoder))
 
@@ -157,9 +157,9 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
 
     @app.get("/v1/models", dependencies=[Depends(check_api_key)])
     async def models() -> dict:
-        card = ModelCard(id=config.served_model_name, created=created,
-                         max_model_len=builder.max_model_len)
-        return ModelList(data=[card]).model_dump()
+        cards = [ModelCard(id=name, created=created, max_model_len=builder.max_model_len)
+                 for name in config.served_model_name]
+        return ModelList(data=cards).model_dump()
 
     @app.get("/health")
     async def health() -> JSONResponse:

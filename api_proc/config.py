@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,15 +14,40 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 
+def parse_mm_limit(text: str) -> int:
+    """--limit-mm-per-prompt: '8' or vLLM's '{"image": 8}' (video must be 0: flatserve takes
+    images only)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a count nor a JSON object") \
+            from None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = {"image": value}
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a count nor a JSON object")
+    unknown = set(value) - {"image", "video", "audio"}
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown modality {sorted(unknown)[0]!r}")
+    if any(value.get(m) for m in ("video", "audio")):
+        raise argparse.ArgumentTypeError("only images are supported: video and audio must be 0")
+    count = value.get("image", 8)
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise argparse.ArgumentTypeError(f"the image limit must be a count, got {count!r}")
+    return count
+
+
 @dataclass(frozen=True)
 class ApiConfig:
     model: str = opt("", "local checkpoint folder (tokenizer, chat template, preprocessor)")
     host: str = opt("127.0.0.1", "address to listen on")
     port: int = opt(8000, "port to listen on")
-    served_model_name: str = opt("", "model id clients use (default: the folder's name)")
+    served_model_name: tuple[str, ...] = opt(
+        (), "model ids clients may use, the first one in responses (default: the folder's name)")
     api_key: str | None = opt(None, "require 'Authorization: Bearer KEY' on /v1 routes")
     max_model_len: int = opt(0, "prompt + completion token limit (0: the model's own)")
-    limit_mm_per_prompt: int = opt(8, "most images in one request")
+    limit_mm_per_prompt: int = opt(8, "most images in one request: N, or vLLM's JSON form "
+                                      "'{\"image\": N}'", parse=parse_mm_limit)
     max_image_pixels: int = opt(40_000_000, "most pixels an image header may declare")
     max_image_bytes: int = opt(20 * MiB, "most encoded bytes per image")
     max_body_bytes: int = opt(200 * MiB, "most bytes in one HTTP request body")
@@ -50,8 +76,12 @@ class ApiConfig:
             raise ValueError("model: a local checkpoint folder is required")
         if not Path(self.model).is_dir():
             raise ValueError(f"model: {self.model} is not a folder")
-        if not self.served_model_name:
-            object.__setattr__(self, "served_model_name", Path(self.model).resolve().name)
+        names = self.served_model_name
+        names = (names,) if isinstance(names, str) else tuple(names)
+        if any(not n for n in names):
+            raise ValueError("served_model_name: names must not be empty")
+        object.__setattr__(self, "served_model_name",
+                           names or (Path(self.model).resolve().name,))
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.api_key is not None and not self.api_key:
@@ -80,6 +110,11 @@ class ApiConfig:
         for addr in self.engine_addresses:
             if not addr.startswith(("ipc://", "tcp://")):
                 raise ValueError(f"engine address {addr!r} must start with ipc:// or tcp://")
+
+    @property
+    def model_name(self) -> str:
+        """The served name responses carry: the first of served_model_name."""
+        return self.served_model_name[0]
 
     @property
     def num_media_workers(self) -> int:

@@ -125,9 +125,9 @@ class Serving:
     # ------------------------------------------------------------------ preparing
 
     def _check_model(self, name: str | None) -> None:
-        if name is not None and name != self.config.served_model_name:
+        if name is not None and name not in self.config.served_model_name:
             raise NotFound(f"model {name!r} does not exist; this server serves "
-                                f"{self.config.served_model_name!r}", param="model",
+                                f"{self.config.model_name!r}", param="model",
                                 code="model_not_found")
 
     def _sampling(self, req, max_tokens: int, choice: int) -> SamplingParams:
@@ -233,7 +233,7 @@ class Serving:
                    for i, s in enumerate(streams)]
         self.metrics.prompt_tokens.inc(num_prompt_tokens)
         return Prepared(kind=kind, id=rid, created=int(time.time()),
-                        model=self.config.served_model_name, stream=settings.stream,
+                        model=self.config.model_name, stream=settings.stream,
                         include_usage=settings.include_usage,
                         num_prompt_tokens=num_prompt_tokens, choices=choices, arrival=arrival)
 

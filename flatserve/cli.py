@@ -41,11 +41,18 @@ def run_engine(args: argparse.Namespace) -> int:
     return engine_main(["--config-json", config.to_json()])
 
 
+LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
+
+
 def build_serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    parser.add_argument("model_tag", nargs="?", metavar="MODEL",
+                        help="local checkpoint folder, as `vllm serve MODEL` (same as --model)")
     ApiConfig.add_cli_args(parser)
     _add_engine_args(parser)
-    parser.add_argument("--log-level", default="info",
-                        choices=["debug", "info", "warning", "error", "critical"])
+    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    parser.add_argument("--uvicorn-log-level", choices=[*LOG_LEVELS, "trace"],
+                        help="log level of the HTTP server (default: --log-level)")
     return parser
 
 
@@ -64,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("soak", help="RSS soak test (options: flatserve soak --help)", add_help=False)
     sub.add_parser("bench", help="serving benchmark (options: flatserve bench --help)",
                    add_help=False)
-    engine = sub.add_parser("engine", help="run one engine process serving RPC on --address")
+    engine = sub.add_parser("engine", help="run one engine process serving RPC on --address",
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_engine_config_args(engine, [f.name for f in fields(EngineConfig) if f.name != "log_level"])
     engine.add_argument("--log-level", default="info")
     from shared.tiny_checkpoint import PRESETS

@@ -126,14 +126,20 @@ def stop_engines(handles: list[SpawnedEngine], grace_s: float = 10.0) -> None:
             handle.process.wait()
 
 
-def _resolve_model(args: argparse.Namespace) -> tuple[str, str]:
-    """(checkpoint folder, served model name)."""
-    if args.model:
-        return args.model, args.served_model_name or args.model
+def _resolve_model(args: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
+    """(checkpoint folder, served model names): the positional model (vLLM's form) or
+    --model, else the tiny default."""
+    tag = getattr(args, "model_tag", None)
+    if tag and args.model and tag != args.model:
+        raise SystemExit(f"flatserve serve: the model is given twice: {tag} and --model "
+                         f"{args.model}")
+    model = tag or args.model
+    names = tuple(args.served_model_name or ())
+    if model:
+        return model, names or (model,)
     from shared.tiny_checkpoint import ensure_tiny_checkpoint
 
-    path = str(ensure_tiny_checkpoint())
-    return path, args.served_model_name or "flatserve-tiny-qwen2.5-vl"
+    return str(ensure_tiny_checkpoint()), names or ("flatserve-tiny-qwen2.5-vl",)
 
 
 class _Stop(Exception):
@@ -151,7 +157,7 @@ def run_server(args: argparse.Namespace) -> int:
 
     set_process_title("flatserve: api")
     apply_malloc_settings(API_MALLOC_ENV)
-    model, served_name = _resolve_model(args)
+    model, served_names = _resolve_model(args)
     # Unset, the context is the model's own capped at DEFAULT_MAX_MODEL_LEN: requests without
     # max_tokens get the rest of the context, and image requests reserve KV for all of it.
     try:
@@ -186,14 +192,16 @@ def run_server(args: argparse.Namespace) -> int:
             logger.error("%s", exc)
             return 1
         config = ApiConfig.from_cli_args(
-            args, model=model, served_model_name=served_name, max_model_len=max_model_len,
+            args, model=model, served_model_name=served_names, max_model_len=max_model_len,
             engine_addresses=addresses,
         )
         app = build_app(config, engine_processes=[h.process for h in handles])
-        logger.info("serving %s on http://%s:%d (glibc: %s)", served_name, config.host, config.port,
+        logger.info("serving %s on http://%s:%d (glibc: %s)", ", ".join(served_names),
+                    config.host, config.port,
                     ", ".join(f"{k}={v}" for k, v in API_MALLOC_ENV.items()))
         uvicorn.run(app, host=config.host, port=config.port, loop="uvloop", http="httptools",
-                    log_level=args.log_level, timeout_graceful_shutdown=5)
+                    log_level=args.uvicorn_log_level or args.log_level,
+                    timeout_graceful_shutdown=5)
         return 0
     except _Stop as stop:
         logger.info("stopped by %s", stop)

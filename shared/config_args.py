@@ -9,9 +9,12 @@ from collections.abc import Iterable
 from typing import Any
 
 
-def opt(default: Any, help: str) -> Any:
-    """A dataclass field with a default and the help text of its flag."""
-    return dataclasses.field(default=default, metadata={"help": help})
+def opt(default: Any, help: str, *, parse: Any = None, choices: Any = None) -> Any:
+    """A dataclass field with a default and the help text of its flag; `parse` turns the
+    flag's text into the value (argparse `type`: raise argparse.ArgumentTypeError with the
+    reason), `choices` lists the values the flag takes."""
+    metadata = {"help": help, "parse": parse, "choices": choices}
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser | Any, cls: type,
@@ -24,7 +27,11 @@ def add_dataclass_args(parser: argparse.ArgumentParser | Any, cls: type,
             continue
         hint = hints[f.name]
         kwargs: dict = {"default": f.default, "help": f.metadata.get("help", ""), "dest": f.name}
-        if hint is bool:
+        if f.metadata.get("choices") is not None:
+            kwargs["choices"] = f.metadata["choices"]
+        if f.metadata.get("parse") is not None:
+            kwargs["type"] = f.metadata["parse"]
+        elif hint is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif tuple in (typing.get_origin(h) for h in (hint, *typing.get_args(hint))):
             kwargs["nargs"] = "*"

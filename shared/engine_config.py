@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 from dataclasses import asdict, dataclass, fields
 
 from shared.config_args import opt
+
+# what --dtype takes (engine_proc/model_runner.py DTYPES maps them to torch dtypes)
+DTYPE_NAMES = ("auto", "float32", "float", "fp32", "bfloat16", "bf16", "float16", "half", "fp16")
+
+
+def parse_device(text: str) -> str:
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device: cpu, cuda or cuda:N")
+    return text
 
 
 @dataclass(frozen=True)
@@ -26,8 +37,10 @@ class EngineConfig:
     num_kv_blocks: int = opt(0, "KV cache blocks (0: from --kv-cache-memory-bytes)")
     kv_cache_memory_bytes: int = opt(0, "KV cache bytes (0: 80%% of free GPU memory, 256 MiB on CPU)")
     max_waiting: int = opt(4096, "most requests queued in the engine before it refuses more")
-    device: str | None = opt(None, "torch device (default: cuda if available, else cpu)")
-    dtype: str | None = opt(None, "weights and activations dtype (default: the checkpoint's)")
+    device: str | None = opt(None, "torch device (default: cuda if available, else cpu)",
+                             parse=parse_device)
+    dtype: str | None = opt(None, "weights and activations dtype (default: the checkpoint's)",
+                            choices=DTYPE_NAMES)
     torch_threads: int = opt(
         0, "torch intra-op threads of each engine (0: torch's default, one per core, or "
         "OMP_NUM_THREADS when set)")
@@ -55,6 +68,13 @@ class EngineConfig:
         if self.encoder_cache_bytes < -1:
             raise ValueError("encoder_cache_bytes must be -1 (auto), 0 (off) or a byte count, "
                              f"got {self.encoder_cache_bytes}")
+        if self.dtype is not None and self.dtype.removeprefix("torch.") not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.device is not None:
+            try:
+                parse_device(self.device)
+            except argparse.ArgumentTypeError as e:
+                raise ValueError(f"device: {e}") from None
         if not -1 <= self.engine_nice <= 19:
             raise ValueError(f"engine_nice must be -1 (auto) or 0-19, got {self.engine_nice}")
 

@@ -10,7 +10,7 @@ from api_proc.config import ApiConfig
 
 def test_defaults_and_derived_values(tiny_model_path):
     config = ApiConfig(model=str(tiny_model_path))
-    assert config.served_model_name == tiny_model_path.name
+    assert config.served_model_name == (tiny_model_path.name,) and config.model_name == tiny_model_path.name
     assert config.api_key is None and config.allowed_local_media_path is None
     assert config.allowed_media_domains is None
     assert 1 <= config.num_media_workers <= 4
@@ -54,7 +54,7 @@ def test_cli_defaults_come_from_the_dataclass(tiny_model_path):
         "--allowed-media-domains", "a.com", "b.com", "--allow-private-media-addresses",
         "--admission-timeout-s", "2.5", "--engine-addresses", "ipc:///tmp/e0.sock"])
     config = ApiConfig.from_cli_args(args, served_model_name="m")
-    assert (config.port, config.api_key, config.served_model_name) == (9001, "k", "m")
+    assert (config.port, config.api_key, config.model_name) == (9001, "k", "m")
     assert config.allowed_media_domains == ("a.com", "b.com")
     assert config.allow_private_media_addresses is True
     assert config.admission_timeout_s == 2.5

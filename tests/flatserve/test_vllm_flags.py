@@ -1,0 +1,72 @@
+"""`flatserve serve` takes a vLLM user's command line: the positional model, several served
+names, the JSON form of --limit-mm-per-prompt, defaults shown in --help; bad values fail in
+the launcher, in one line, before any process starts."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from flatserve.cli import build_serve_parser
+from tests.e2e.server_process import ServerProcess
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return build_serve_parser(argparse.ArgumentParser()).parse_args(list(argv))
+
+
+def test_vllm_forms_parse():
+    args = parse("/models/x", "--served-model-name", "a", "b", "--limit-mm-per-prompt",
+                 '{"image": 2}', "--dtype", "bfloat16", "--device", "cuda:1",
+                 "--no-enable-prefix-caching", "--uvicorn-log-level", "warning")
+    assert args.model_tag == "/models/x" and args.served_model_name == ["a", "b"]
+    assert args.limit_mm_per_prompt == 2 and args.dtype == "bfloat16"
+    assert args.device == "cuda:1" and args.enable_prefix_caching is False
+    assert parse("--limit-mm-per-prompt", "5").limit_mm_per_prompt == 5
+    assert parse("--limit-mm-per-prompt", '{"image": 3, "video": 0}').limit_mm_per_prompt == 3
+
+
+@pytest.mark.parametrize("flag, value, says", [
+    ("--dtype", "fp64", "invalid choice: 'fp64'"),
+    ("--device", "gpu", "is not a device"),
+    ("--limit-mm-per-prompt", '{"video": 1}', "only images are supported"),
+    ("--limit-mm-per-prompt", '{"sound": 1}', "unknown modality 'sound'"),
+    ("--limit-mm-per-prompt", "many", "neither a count nor a JSON object"),
+])
+def test_bad_values_fail_in_one_line_before_any_process(flag, value, says):
+    done = subprocess.run([sys.executable, "-m", "flatserve.cli", "serve", flag, value],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert says in done.stderr.strip().splitlines()[-1]
+
+
+def test_help_shows_defaults():
+    done = subprocess.run([sys.executable, "-m", "flatserve.cli", "serve", "--help"],
+                          capture_output=True, text=True, timeout=60)
+    text = " ".join(done.stdout.split())
+    assert "(default: 64)" in text and "(default: 8)" in text and "MODEL" in text
+
+
+@pytest.mark.slow
+def test_positional_model_and_several_served_names(tiny_model_path, tmp_path):
+    server = ServerProcess(str(tiny_model_path), "--served-model-name", "main", "alias",
+                           log_path=tmp_path / "server.log")
+    try:
+        server.wait_ready()
+        ids = [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]]
+        assert ids == ["main", "alias"]
+        reply = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+            "model": "alias", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert reply.status_code == 200 and reply.json()["model"] == "main"
+        other = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+            "model": "nope", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert other.status_code == 404
+    finally:
+        server.stop()
+    twice = subprocess.run([sys.executable, "-m", "flatserve.cli", "serve", str(tiny_model_path),
+                            "--model", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert twice.returncode != 0 and "the model is given twice" in twice.stderr
