@@ -95,7 +95,7 @@ def test_numbers_that_cannot_reach_the_engine_are_refused(field, value):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("tool_choice", "auto"), ("chat_template_kwargs", {}),
+    ("chat_template_kwargs", {}), ("functions", []),
 ])
 def test_a_field_the_server_does_not_honour_is_refused_by_name(field, value):
     with pytest.raises(ValidationError) as e:
