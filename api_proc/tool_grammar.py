@@ -5,8 +5,10 @@ while its arguments follow the function's JSON schema.
     named     one call to that function, nothing else
     required  calls to any of the functions, one per line, at least one (only one when
               parallel_tool_calls is false), nothing else
-    auto      free text, but once `<tool_call>` is written the call follows a schema; only
-              when a function is `strict` (OpenAI's promise that calls match the schema)
+    auto      only when some function is `strict` (OpenAI's promise that calls match the
+              schema): free text, but once `<tool_call>` is written the call names one of
+              the functions and its arguments follow that function's schema (every
+              function's, strict or not: one grammar serves them all)
 
 Built here as JSON, compiled in the engine (engine_proc/structured_output.py): the API
 process never imports xgrammar (it pulls in torch).
