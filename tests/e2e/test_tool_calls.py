@@ -8,9 +8,11 @@ from __future__ import annotations
 import json
 import re
 
+import httpx
 import openai
 import pytest
 
+from api_proc.protocol import ChatCompletionChunk
 from tests.e2e.server_process import ServerProcess
 
 pytest.importorskip("xgrammar")
@@ -101,7 +103,7 @@ def test_required_calls_some_function_with_valid_arguments_every_time(oai, paral
 
 
 def test_auto_reads_calls_out_and_none_leaves_them_as_text(oai):
-    kwargs = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=60,
+    kwargs = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=200, seed=0,
                   extra_body={"guided_regex": "Sure\\. " + FORCED_CALL.replace("{", "\\{")
                               .replace("}", "\\}")})
     reply = oai.chat.completions.create(**kwargs).choices[0]  # tool_choice auto by default
@@ -116,6 +118,23 @@ def test_auto_reads_calls_out_and_none_leaves_them_as_text(oai):
         reply = oai.chat.completions.create(**kwargs).choices[0]
         assert reply.finish_reason == "stop" and reply.message.tool_calls is None
         assert reply.message.content == "Sure. " + FORCED_CALL
+
+
+def test_streamed_tool_calls_are_openai_chunks(oai):
+    body = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "stream": True,
+            "parallel_tool_calls": False, "max_tokens": 600, "seed": 0, "logprobs": True}
+    with httpx.stream("POST", f"{oai.base_url}chat/completions", json=body, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    chunks = [ChatCompletionChunk.model_validate(e) for e in events]
+    deltas = [c.choices[0].delta for c in chunks]
+    assert any(d.tool_calls for d in deltas)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # every token's log-probability arrives, on the chunks of its step
+    num_logprobs = sum(len(c.choices[0].logprobs.content) for c in chunks
+                       if c.choices[0].logprobs is not None)
+    assert num_logprobs == len(httpx.post(f"{oai.base_url}chat/completions", json={
+        **body, "stream": False}, timeout=60).json()["choices"][0]["logprobs"]["content"])
 
 
 def test_a_tool_result_goes_back_and_gets_an_answer(oai):
