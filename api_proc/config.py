@@ -12,6 +12,8 @@ from shared.config_args import add_dataclass_args, dataclass_from_args, opt
 
 MiB = 1 << 20
 GiB = 1 << 30
+# Qwen's `<tool_call>` JSON (api_proc/tool_parser.py); vLLM names it after the Hermes models
+TOOL_CALL_PARSERS = ("hermes",)
 
 
 def parse_mm_limit(text: str) -> int:
@@ -70,6 +72,13 @@ class ApiConfig:
     media_workers: int = opt(0, "threads decoding and resizing images (0: min(4, cpus))")
     max_n: int = opt(16, "most choices (n) per request")
     engine_addresses: tuple[str, ...] = opt((), "engine RPC addresses (ipc:// or tcp://)")
+    chat_template: str | None = opt(
+        None, "a Jinja chat template file used instead of the model's own")
+    enable_auto_tool_choice: bool = opt(
+        False, "let the model decide to call tools (tool_choice auto); needs "
+        "--tool-call-parser")
+    tool_call_parser: str | None = opt(
+        None, f"how tool calls are read from the output: {', '.join(TOOL_CALL_PARSERS)}")
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -106,6 +115,13 @@ class ApiConfig:
             if not root.is_dir():
                 raise ValueError(f"allowed_local_media_path: {root} is not a folder")
             object.__setattr__(self, "allowed_local_media_path", str(root.resolve()))
+        if self.chat_template is not None and not Path(self.chat_template).is_file():
+            raise ValueError(f"chat_template: {self.chat_template} is not a file")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser")
         object.__setattr__(self, "engine_addresses", tuple(self.engine_addresses))
         for addr in self.engine_addresses:
             if not addr.startswith(("ipc://", "tcp://")):

@@ -3,11 +3,17 @@
 Uses `tokenizers` and a sandboxed jinja2 environment configured like transformers' own
 (`apply_chat_template`) instead of AutoTokenizer: importing transformers pulls in torch
 (about 3.5 s and 300 MB of RSS in the API process) for the same result.
+
+The template is the model's own, or --chat-template's. A conversation with tools (tool
+definitions, assistant tool calls, tool results) needs one that renders them; Qwen2.5-VL's
+own never does, so such a conversation goes through TOOL_TEMPLATE (Qwen2.5's hermes format
+with image parts) when the template in use never mentions `tools`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from datetime import datetime
 from pathlib import Path
 
@@ -19,6 +25,10 @@ from api_proc.detokenizer import TokenDecoder
 from api_proc.errors import BadRequest
 from api_proc.protocol import ChatMessage, TextPart
 from shared.model_config import ModelConfig, load_model_config
+
+logger = logging.getLogger(__name__)
+
+TOOL_TEMPLATE = Path(__file__).resolve().parents[1] / "shared" / "data" / "qwen_tool_chat_template.jinja"
 
 
 def _raise_exception(message: str):
@@ -58,7 +68,8 @@ def _token_text(value) -> str | None:
 
 def template_messages(messages: list[ChatMessage]) -> list[dict]:
     """Protocol messages as the chat template sees them: image parts become bare
-    `{"type": "image"}` markers, so no URL or base64 data ever reaches the template."""
+    `{"type": "image"}` markers, so no URL or base64 data ever reaches the template; a tool
+    call's arguments become the object they encode, as templates (and transformers) expect."""
     out = []
     for m in messages:
         if m.content is None or isinstance(m.content, str):
@@ -69,17 +80,33 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
         msg = {"role": m.role, "content": content}
         if m.name:
             msg["name"] = m.name
+        if m.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": json.loads(c.function.arguments)}}
+                for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
     return out
 
 
+def _has_tool_turns(messages: list[dict]) -> bool:
+    return any(m["role"] == "tool" or "tool_calls" in m for m in messages)
+
+
 class PromptBuilder:
-    def __init__(self, folder: str | Path, model_config: ModelConfig, max_model_len: int = 0):
+    def __init__(self, folder: str | Path, model_config: ModelConfig, max_model_len: int = 0,
+                 chat_template: str | Path | None = None):
         folder = Path(folder)
         self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         config_file = folder / "tokenizer_config.json"
         tok_config = json.loads(config_file.read_text()) if config_file.exists() else {}
-        self._template = compile_chat_template(_read_chat_template(folder, tok_config))
+        if chat_template is not None:
+            source = Path(chat_template).read_text(encoding="utf-8")
+        else:
+            source = _read_chat_template(folder, tok_config)
+        self._template = compile_chat_template(source)
+        self._tool_template = self._template if "tools" in source else None  # compiled on use
         self._special_names = {
             "bos_token": _token_text(tok_config.get("bos_token")) or "",
             "eos_token": _token_text(tok_config.get("eos_token")) or "",
@@ -100,14 +127,28 @@ class PromptBuilder:
         return self._decoder_with_specials
 
     @classmethod
-    def from_pretrained(cls, folder: str | Path, max_model_len: int = 0) -> PromptBuilder:
-        return cls(folder, load_model_config(folder), max_model_len)
+    def from_pretrained(cls, folder: str | Path, max_model_len: int = 0,
+                        chat_template: str | Path | None = None) -> PromptBuilder:
+        return cls(folder, load_model_config(folder), max_model_len, chat_template)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def _template_for_tools(self) -> jinja2.Template:
+        if self._tool_template is None:
+            logger.info("the chat template does not render tools; conversations with tools "
+                        "use %s", TOOL_TEMPLATE)
+            self._tool_template = compile_chat_template(TOOL_TEMPLATE.read_text(encoding="utf-8"))
+        return self._tool_template
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+        """The conversation as text; `tools`: OpenAI tool definitions (as dicts)."""
+        template = self._template
+        extra = {}
+        if tools or _has_tool_turns(messages):
+            template = self._template_for_tools()
+            extra["tools"] = tools or None
         try:
-            return self._template.render(messages=messages,
-                                         add_generation_prompt=add_generation_prompt,
-                                         **self._special_names)
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   **extra, **self._special_names)
         except jinja2.exceptions.TemplateError as e:
             message = f"chat template refused the messages: {e}"
         raise BadRequest(message, param="messages")
@@ -123,9 +164,10 @@ class PromptBuilder:
         t, h, w = grid_thw
         return t * h * w // (self.merge_size * self.merge_size)
 
-    def build_chat(self, messages: list[dict], image_grids: list[tuple[int, int, int]]) -> list[int]:
+    def build_chat(self, messages: list[dict], image_grids: list[tuple[int, int, int]],
+                   tools: list[dict] | None = None) -> list[int]:
         """Token ids of the templated conversation with each image's placeholder expanded."""
-        ids = self.encode(self.render_chat(messages))
+        ids = self.encode(self.render_chat(messages, tools=tools))
         return self.expand_image_tokens(ids, image_grids)
 
     def build_completion(self, prompt: str | list[int]) -> list[int]:

@@ -4,7 +4,8 @@ Requests refuse every field flatserve does not implement, by name (400), instead
 accepting and dropping it. Fields of the OpenAI API (and vLLM's extensions) that clients
 send at their neutral value (`response_format: {type: text}`, `logprobs: false`, ...) are
 accepted at that value only; `user` and `metadata` are accepted
-and not used.
+and not used. Tools follow OpenAI's shapes; which tool choices a server honours is
+decided in serving.py (`auto` needs --enable-auto-tool-choice, as in vLLM).
 """
 
 from __future__ import annotations
@@ -12,7 +13,14 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from shared.sampling_params import MAX_LOGPROBS
 
@@ -52,10 +60,39 @@ TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
 
 
+class FunctionCall(_Request):
+    name: str = Field(min_length=1)
+    arguments: str  # JSON text of an object, as OpenAI writes it
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages: the calls it made
+    tool_call_id: str | None = None  # tool messages: the call this one answers
+
+    @model_validator(mode="after")
+    def _tool_fields_by_role(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls goes with role assistant")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("tool_call_id goes with role tool")
+        for call in self.tool_calls or ():
+            try:
+                arguments = json.loads(call.function.arguments)
+            except ValueError:
+                arguments = None
+            if not isinstance(arguments, dict):
+                raise ValueError(f"tool call {call.id!r}: function.arguments must be the JSON "
+                                 "text of an object")
+        return self
 
 
 class StreamOptions(_Request):
@@ -143,12 +180,43 @@ class StructuredOutputsParams(_Request):
         return ("json_object", "")
 
 
-# field -> the values that ask for nothing (None always does)
-_NEUTRAL: dict[str, tuple] = {
-    "tools": ([],),
-    "tool_choice": ("none",),
-    "parallel_tool_calls": (True, False),  # meaningless without tools, which are refused
-}
+class FunctionDefinition(_Request):
+    # OpenAI's rule for function names; it also keeps them safe inside the grammar's tags
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of an object; None: no parameters
+    strict: bool | None = None  # true with tool_choice auto: calls follow the schema too
+
+    @field_validator("parameters")
+    @classmethod
+    def _parameters_schema(cls, v):
+        if v is not None:
+            _schema_text(v)
+        return v
+
+    @property
+    def parameters_schema(self) -> dict:
+        """What a call's arguments must match (no parameters: an empty object)."""
+        if self.parameters is None:
+            return {"type": "object", "properties": {}, "additionalProperties": False}
+        return self.parameters
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+MAX_TOOLS = 128
 
 
 class _SamplingRequest(_Request):
@@ -183,10 +251,6 @@ class _SamplingRequest(_Request):
         default=None, min_length=1, max_length=1024)
     guided_grammar: str | None = Field(default=None, max_length=MAX_CONSTRAINT_CHARS)
     structured_outputs: StructuredOutputsParams | None = None
-    # Not implemented: accepted only at the neutral value a client may send (_NEUTRAL).
-    tools: list | None = None
-    tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None
 
     @field_validator("stop")
     @classmethod
@@ -210,13 +274,6 @@ class _SamplingRequest(_Request):
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
         return v
 
-    @field_validator(*_NEUTRAL)
-    @classmethod
-    def _unsupported(cls, value, info: ValidationInfo):
-        if value is not None and value not in _NEUTRAL[info.field_name]:
-            raise ValueError("not supported by this server (only its neutral value is accepted)")
-        return value
-
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -230,10 +287,13 @@ class _SamplingRequest(_Request):
 
     @model_validator(mode="after")
     def _one_constraint(self):
-        given = [name for name, value in self._constraints() if value is not None]
+        given = self._constraints_given()
         if len(given) > 1:
             raise ValueError(f"at most one output constraint, got {', '.join(given)}")
         return self
+
+    def _constraints_given(self) -> list[str]:
+        return [name for name, value in self._constraints() if value is not None]
 
     def _constraints(self) -> list[tuple[str, tuple[str, str] | None]]:
         fmt = self.response_format
@@ -261,6 +321,52 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    # None: "auto" when tools are given, "none" otherwise (OpenAI's defaults)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # None: true, OpenAI's default
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_names(cls, v):
+        names = [t.function.name for t in v or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("function names must be unique")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_among_tools(cls, choice, info: ValidationInfo):
+        names = [t.function.name for t in info.data.get("tools") or ()]
+        if choice in ("required", "auto") and not names:
+            raise ValueError(f"{choice!r} needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"names function {choice.function.name!r}, which is not among "
+                             "tools")
+        return choice
+
+    @model_validator(mode="after")
+    def _tools_or_constraint(self):
+        if self.tools_constrain_output and self._constraints_given():
+            raise ValueError(f"tool_choice {self.tool_choice_mode!r} constrains the output "
+                             "(tool_grammar.py); it cannot go with "
+                             f"{', '.join(self._constraints_given())}")
+        return self
+
+    @property
+    def tool_choice_mode(self) -> str:
+        """none | auto | required | named."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice
+
+    @property
+    def tools_constrain_output(self) -> bool:
+        mode = self.tool_choice_mode
+        return mode in ("required", "named") or (
+            mode == "auto" and any(t.function.strict for t in self.tools or ()))
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
@@ -319,7 +425,23 @@ class UsageInfo(_Body):
 
 class ChatCompletionMessage(_Body):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+
+class DeltaFunctionCall(_Body):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Body):
+    """A streamed tool call: the first delta of a call has index, id, type and
+    function.name (arguments ""); the ones after it, index and argument text."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
 
 
 class TopLogprob(_Body):
@@ -363,6 +485,7 @@ class ChatCompletionResponse(_Body):
 class ChatDelta(_Body):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionChunkChoice(_Body):

@@ -46,6 +46,8 @@ from api_proc.protocol import (
     UsageInfo,
 )
 from api_proc.request_body import RequestBody
+from api_proc.tool_grammar import tool_call_constraint
+from api_proc.tool_parser import ToolCallParser
 from shared.messages import AddRequest, ImageInput
 from shared.sampling_params import SamplingParams
 
@@ -66,6 +68,7 @@ class Choice:
     first_token_at: float | None = None  # time.monotonic(), for the latency metrics
     last_token_at: float | None = None
     num_chars: int = 0  # of the completion so far (completion logprobs' text_offset)
+    tool_calls: ToolCallParser | None = None  # chat with tools: reads the calls out
 
 
 @dataclass(eq=False)
@@ -153,6 +156,21 @@ class Serving:
             message = str(e)
         raise BadRequest(message)
 
+    def _tool_settings(self, req: ChatCompletionRequest, settings: _RequestSettings
+                       ) -> _RequestSettings:
+        """Settings with the tool choice's constraint and whether calls are read out."""
+        mode = req.tool_choice_mode
+        if mode == "none":
+            return settings
+        if mode == "auto" and not self.config.enable_auto_tool_choice:
+            raise BadRequest('"auto" tool choice requires --enable-auto-tool-choice and '
+                             "--tool-call-parser to be set", param="tool_choice")
+        named = req.tool_choice.function.name if mode == "named" else None
+        parallel = req.parallel_tool_calls is not False
+        structured = tool_call_constraint(req.tools, mode, named, parallel)
+        return dataclasses.replace(settings, structured=structured or settings.structured,
+                                   parse_tool_calls=True, parallel_tool_calls=parallel)
+
     def _check_n(self, n: int) -> None:
         if n > self.config.max_n:
             raise BadRequest(f"n is {n}; at most max_n={self.config.max_n}", param="n")
@@ -168,8 +186,9 @@ class Serving:
                                   f"limit_mm_per_prompt={self.config.limit_mm_per_prompt}",
                                   param="messages", code="too_many_images")
         messages = template_messages(req.messages)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         requested = req.requested_max_tokens
-        settings = _RequestSettings.of(req)
+        settings = self._tool_settings(req, _RequestSettings.of(req))
         req = None  # R1: the model held the base64 strings; only the MediaRefs do now
         if not refs:
             body.release()  # parsed: no image will need the body's bytes
@@ -178,9 +197,9 @@ class Serving:
         refs = None
         grids = [e.grid_thw for e in encoded]
         if sum(len(str(m["content"])) for m in messages) > OFFLOAD_TEXT_CHARS:
-            prompt_ids = await asyncio.to_thread(self.builder.build_chat, messages, grids)
+            prompt_ids = await asyncio.to_thread(self.builder.build_chat, messages, grids, tools)
         else:
-            prompt_ids = self.builder.build_chat(messages, grids)
+            prompt_ids = self.builder.build_chat(messages, grids, tools)
         max_tokens = self.builder.resolve_max_tokens(len(prompt_ids), requested)
         sampling = [self._sampling(settings, max_tokens, i) for i in range(settings.n)]
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -229,7 +248,9 @@ class Serving:
                    else self.builder.decoder_with_specials)
         choices = [Choice(i, s, IncrementalDetokenizer(decoder, settings.stop,
                                                        settings.include_stop_str_in_output),
-                          logprobs=None if settings.logprobs is None else [])
+                          logprobs=None if settings.logprobs is None else [],
+                          tool_calls=ToolCallParser(settings.parallel_tool_calls)
+                          if settings.parse_tool_calls else None)
                    for i, s in enumerate(streams)]
         self.metrics.prompt_tokens.inc(num_prompt_tokens)
         return Prepared(kind=kind, id=rid, created=int(time.time()),
@@ -372,6 +393,8 @@ class _RequestSettings:
     structured: tuple[str, str] | None  # what the output must match (kind, spec)
     skip_special_tokens: bool
     include_stop_str_in_output: bool
+    parse_tool_calls: bool = False  # chat with a tool choice other than none
+    parallel_tool_calls: bool = True
 
     @classmethod
     def of(cls, req) -> _RequestSettings:

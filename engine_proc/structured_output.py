@@ -1,5 +1,5 @@
-"""Structured outputs: JSON (a schema, or any object), a regex, a choice of strings, or an
-EBNF grammar, enforced token by token with xgrammar.
+"""Structured outputs: JSON (a schema, or any object), a regex, a choice of strings, an
+EBNF grammar, or a structural tag (tool calls), enforced token by token with xgrammar.
 
 A request's grammar is compiled in a worker thread (xgrammar itself is imported there, on
 first use: requests without a grammar never pay for it), in a compiler whose cache of
@@ -21,10 +21,11 @@ from typing import Any
 
 import torch
 
+from shared.sampling_params import MAX_JSON_WHITESPACE
+
 logger = logging.getLogger(__name__)
 
 GRAMMAR_CACHE_BYTES = 64 << 20  # compiled grammars kept for reuse
-MAX_JSON_WHITESPACE = 4  # runs of whitespace JSON may hold: a model cannot pad forever
 
 
 # xgrammar 0.2.8 writes a string with minLength/maxLength as a run of _LOOSE_CHARACTER, which
@@ -115,6 +116,9 @@ class StructuredOutputs:
                 return compiler.compile_grammar(_json_strings_without_controls(str(grammar)))
             if kind == "regex":
                 return compiler.compile_regex(spec)
+            if kind == "structural_tag":  # through EBNF text, for the same string fix
+                grammar = self._xgr.Grammar.from_structural_tag(spec)
+                return compiler.compile_grammar(_json_strings_without_controls(str(grammar)))
             if kind == "choice":
                 choices = json.loads(spec)
                 ebnf = "root ::= " + " | ".join(json.dumps(c) for c in choices)
@@ -122,5 +126,6 @@ class StructuredOutputs:
             return compiler.compile_grammar(spec)
         except Exception as exc:  # xgrammar raises RuntimeError/ValueError with the reason
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise GrammarError(f"cannot compile the {kind} constraint: {message}") from None
+            what = "tools' parameters" if kind == "structural_tag" else f"{kind} constraint"
+            raise GrammarError(f"cannot compile the {what}: {message}") from None
 

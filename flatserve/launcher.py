@@ -186,15 +186,19 @@ def run_server(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
     try:
+        try:  # before the engines spend their start-up on a server that cannot run
+            config = ApiConfig.from_cli_args(
+                args, model=model, served_model_name=served_names, max_model_len=max_model_len,
+                engine_addresses=addresses,
+            )
+        except ValueError as exc:
+            logger.error("flatserve serve: %s", exc)
+            return 2
         try:
             handles = start_engines(configs, timeout_s=args.engine_start_timeout)
         except EngineStartError as exc:
             logger.error("%s", exc)
             return 1
-        config = ApiConfig.from_cli_args(
-            args, model=model, served_model_name=served_names, max_model_len=max_model_len,
-            engine_addresses=addresses,
-        )
         app = build_app(config, engine_processes=[h.process for h in handles])
         logger.info("serving %s on http://%s:%d (glibc: %s)", ", ".join(served_names),
                     config.host, config.port,

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGIT_BIAS_ENTRIES = 1024
-STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+MAX_JSON_WHITESPACE = 4  # runs of whitespace JSON may hold: a model cannot pad forever
 MAX_LOGPROBS = 20  # most top alternatives per token (vLLM's default --max-logprobs)
 
 
@@ -32,7 +33,8 @@ class SamplingParams:
     logprobs: int | None = None
     # (kind, spec): what the completion must match (engine_proc/structured_output.py):
     # ("json", schema text), ("json_object", ""), ("regex", pattern), ("choice", JSON list
-    # of strings) or ("grammar", EBNF)
+    # of strings), ("grammar", EBNF) or ("structural_tag", xgrammar's structural tag JSON:
+    # api_proc/tool_grammar.py)
     structured: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:

@@ -188,6 +188,9 @@ def test_completions(server, engine_double, tiny_model_path):
     ({"messages": [{"role": "user", "content": "x"}], "temperature": 5}, 400, "temperature"),
     ({"messages": [{"role": "user", "content": "x"}], "n": 100}, 400, "max_n"),
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, 400, "tool_choice"),
+    # tool_choice auto (the default with tools) needs --enable-auto-tool-choice, as in vLLM
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f"}}]}, 400, "--enable-auto-tool-choice"),
     ({"messages": [{"role": "robot", "content": "x"}]}, 400, "role"),
     ({"messages": [{"role": "user", "content": [{"type": "audio", "x": 1}]}]}, 400, "content"),
     ({"messages": [{"role": "user", "content": "x"}], "model": "gpt-9"}, 404, "gpt-9"),

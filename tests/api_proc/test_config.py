@@ -29,6 +29,9 @@ def test_defaults_and_derived_values(tiny_model_path):
     ({"allowed_local_media_path": "/no/such/folder"}, "allowed_local_media_path"),
     ({"allowed_media_domains": ("ok.com", " ")}, "empty"),
     ({"engine_addresses": ("http://x",)}, "engine address"),
+    ({"chat_template": "/no/such/file.jinja"}, "chat_template"),
+    ({"tool_call_parser": "mistral"}, "tool_call_parser must be one of hermes"),
+    ({"enable_auto_tool_choice": True}, "needs tool_call_parser"),
 ])
 def test_validation(tiny_model_path, kw, match):
     kw.setdefault("model", str(tiny_model_path))

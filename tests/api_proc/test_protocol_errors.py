@@ -95,7 +95,7 @@ def test_numbers_that_cannot_reach_the_engine_are_refused(field, value):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("tool_choice", "auto"), ("chat_template_kwargs", {}),
+    ("chat_template_kwargs", {}), ("functions", []),
 ])
 def test_a_field_the_server_does_not_honour_is_refused_by_name(field, value):
     with pytest.raises(ValidationError) as e:
@@ -150,3 +150,11 @@ def test_bad_output_constraints_are_refused(extra, field):
         ChatCompletionRequest.model_validate(
             {"messages": [{"role": "user", "content": "x"}], **extra})
     assert field in format_validation_errors(e.value.errors(include_input=False))
+
+
+def test_completions_take_no_tools():
+    for field, value in (("tools", []), ("tool_choice", "none")):
+        with pytest.raises(ValidationError) as e:
+            CompletionRequest.model_validate({"prompt": "x", field: value})
+        message = format_validation_errors(e.value.errors(include_input=False))
+        assert message == f"{field}: not supported by this server"

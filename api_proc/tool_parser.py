@@ -1,0 +1,151 @@
+"""Tool calls in Qwen's (hermes) format, out of the completion's text:
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+vLLM's `hermes` parser is the reference, with two changes that make a stream split anywhere
+give the same result as the whole text (tests hold this at every character boundary):
+
+- A call is announced when its closing tag arrives (or at the end of the completion, where
+  an unclosed call is accepted if its JSON is whole, as hermes does), never while its JSON
+  is still partial. A client cannot run half a call anyway, and holding it lets a call whose
+  JSON turns out malformed fall back to plain content, which it does by itself: the calls
+  before it stay calls (hermes turns the whole text into content).
+- Text outside calls stays content (hermes drops what follows the first call), except
+  whitespace-only runs next to a call: the newline between two calls is layout, not content.
+
+The state is the text of the call in progress and a few characters that may begin a tag
+(R2: nothing grows with the completion beyond one call).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+TOOL_CALL_START = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
+
+
+def _call(body: str) -> tuple[str, str] | None:
+    """(name, arguments JSON) of a call's body, or None when it is not a call."""
+    try:
+        call = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+        return None
+    arguments = call.get("arguments", {})
+    if not isinstance(arguments, dict):
+        return None
+    return call["name"], json.dumps(arguments, ensure_ascii=False)
+
+
+def _partial_tag(text: str) -> int:
+    """Length of the longest end of `text` that may begin TOOL_CALL_START."""
+    for k in range(min(len(text), len(TOOL_CALL_START) - 1), 0, -1):
+        if TOOL_CALL_START.startswith(text[-k:]):
+            return k
+    return 0
+
+
+class ToolCallParser:
+    """Fed text deltas, returns OpenAI delta dicts: `{"content": ...}` or
+    `{"tool_calls": [...]}` (a call's first delta: index, id, type, function.name with
+    arguments ""; its second: index and the arguments). `parallel`: false keeps only the
+    first call, as OpenAI's parallel_tool_calls: false asks."""
+
+    __slots__ = ("_parallel", "_buf", "_in_call", "_held", "_said", "num_calls")
+
+    def __init__(self, parallel: bool = True) -> None:
+        self._parallel = parallel
+        self._buf = ""  # outside a call: may begin a tag; inside: the call's text so far
+        self._in_call = False
+        self._held = ""  # whitespace that opens a run of content, kept until it is decided
+        self._said = False  # the current run of content has shown text
+        self.num_calls = 0
+
+    def feed(self, text: str) -> list[dict]:
+        # inside a call only the new text (and the end of the old) can hold the closing tag
+        seen = max(0, len(self._buf) - len(TOOL_CALL_END) + 1) if self._in_call else 0
+        self._buf += text
+        out: list[dict] = []
+        while True:
+            if self._in_call:
+                end = self._buf.find(TOOL_CALL_END, seen)
+                seen = 0
+                if end < 0:
+                    return out
+                body, self._buf = self._buf[:end], self._buf[end + len(TOOL_CALL_END):]
+                self._in_call = False
+                self._close_call(body, TOOL_CALL_END, out)
+                continue
+            start = self._buf.find(TOOL_CALL_START)
+            if start < 0:
+                keep = _partial_tag(self._buf)
+                self._content(self._buf[:len(self._buf) - keep], out)
+                self._buf = self._buf[len(self._buf) - keep:]
+                return out
+            self._content(self._buf[:start], out)
+            self._buf = self._buf[start + len(TOOL_CALL_START):]
+            self._in_call = True
+
+    def finish(self) -> list[dict]:
+        """What is still held, at the end of the completion."""
+        out: list[dict] = []
+        if self._in_call:
+            self._in_call = False
+            self._close_call(self._buf, "", out)
+        else:
+            self._content(self._buf, out)
+        self._buf = ""
+        if self._held and not self.num_calls:  # a text without calls is kept as it is
+            out.append({"content": self._held})
+        self._held = ""
+        return out
+
+    def _content(self, text: str, out: list[dict]) -> None:
+        if not text:
+            return
+        if not self._said:
+            text, self._held = self._held + text, ""
+            if text.isspace():
+                self._held = text
+                return
+            self._said = True
+        out.append({"content": text})
+
+    def _close_call(self, body: str, end_tag: str, out: list[dict]) -> None:
+        call = _call(body)
+        if call is None:  # not a call: its text is content, tags included
+            self._content(TOOL_CALL_START + body + end_tag, out)
+            return
+        self._held, self._said = "", False
+        if self.num_calls and not self._parallel:
+            return
+        name, arguments = call
+        index = self.num_calls
+        self.num_calls += 1
+        out.append({"tool_calls": [{"index": index, "id": f"chatcmpl-tool-{uuid.uuid4().hex}",
+                                    "type": "function",
+                                    "function": {"name": name, "arguments": ""}}]})
+        out.append({"tool_calls": [{"index": index, "function": {"arguments": arguments}}]})
+
+
+def assemble(deltas: list[dict]) -> tuple[str | None, list[dict]]:
+    """Deltas joined as a client joins a stream: (content, tool calls); content is None
+    when there are calls and no text (a non-streaming response is built this way)."""
+    content: list[str] = []
+    calls: list[dict] = []
+    for delta in deltas:
+        if "content" in delta:
+            content.append(delta["content"])
+            continue
+        for d in delta["tool_calls"]:
+            if d["index"] == len(calls):
+                calls.append({"id": d["id"], "type": d["type"],
+                              "function": {"name": d["function"]["name"], "arguments": ""}})
+            calls[d["index"]]["function"]["arguments"] += d["function"]["arguments"]
+    text = "".join(content)
+    return (text or None) if calls else text, calls
