@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -62,6 +63,8 @@ async def run_until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
         # garbage collector runs (R1).
         task = watcher = None
 
+
+logger = logging.getLogger(__name__)
 
 def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = None,
               engine_client: EngineClient | None = None,
@@ -119,6 +122,10 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
             # The body is read before the disconnect watcher starts: both would receive().
             body = await read_body(request, config.max_body_bytes, admission)
             prepared = await run_until_disconnect(request, prepare(body, arrival))
+            if config.enable_log_requests:
+                logger.info("request %s (%s): %d prompt tokens, %d choices, stream %s",
+                            prepared.id, endpoint, prepared.num_prompt_tokens,
+                            len(prepared.choices), prepared.stream)
         except HTTPError as e:
             metrics.count_request(endpoint, e.status)
             return error_response(e)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.config_args import add_dataclass_args, dataclass_from_args, opt
+from shared.sampling_params import MAX_LOGPROBS
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -71,6 +72,14 @@ class ApiConfig:
     media_fetch_timeout_s: float = opt(10.0, "deadline for downloading one image")
     media_workers: int = opt(0, "threads decoding and resizing images (0: min(4, cpus))")
     max_n: int = opt(16, "most choices (n) per request")
+    max_logprobs: int = opt(20, "most top_logprobs (chat) or logprobs (completions) a request "
+                                "may ask for")
+    generation_config: str = opt(
+        "auto", "default sampling settings for requests that leave them out: 'auto' reads the "
+        "model folder's generation_config.json (temperature, top_p, top_k, "
+        "repetition_penalty), 'vllm' uses none, or a folder holding a generation_config.json")
+    enable_log_requests: bool = opt(False, "log each request's id, prompt length and settings "
+                                           "(never its text or images)")
     engine_addresses: tuple[str, ...] = opt((), "engine RPC addresses (ipc:// or tcp://)")
     chat_template: str | None = opt(
         None, "a Jinja chat template file used instead of the model's own")
@@ -122,10 +131,28 @@ class ApiConfig:
                              f"got {self.tool_call_parser!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser")
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs}")
+        if self.generation_config not in ("auto", "vllm") and not (
+                Path(self.generation_config) / "generation_config.json").is_file():
+            raise ValueError(f"generation_config: {self.generation_config} is not 'auto', 'vllm' "
+                             "or a folder holding a generation_config.json")
         object.__setattr__(self, "engine_addresses", tuple(self.engine_addresses))
         for addr in self.engine_addresses:
             if not addr.startswith(("ipc://", "tcp://")):
                 raise ValueError(f"engine address {addr!r} must start with ipc:// or tcp://")
+
+    def default_sampling(self) -> dict:
+        """The sampling defaults --generation-config names (vLLM's meaning)."""
+        if self.generation_config == "vllm":
+            return {}
+        folder = Path(self.model if self.generation_config == "auto" else self.generation_config)
+        path = folder / "generation_config.json"
+        if not path.is_file():
+            return {}
+        data = json.loads(path.read_text())
+        keys = ("temperature", "top_p", "top_k", "repetition_penalty")
+        return {k: data[k] for k in keys if isinstance(data.get(k), int | float)}
 
     @property
     def model_name(self) -> str:

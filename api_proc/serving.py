@@ -124,6 +124,7 @@ class Serving:
         self.admission = admission
         self.engines = engines
         self.metrics = metrics
+        self.defaults = config.default_sampling()  # --generation-config
 
     # ------------------------------------------------------------------ preparing
 
@@ -135,18 +136,25 @@ class Serving:
 
     def _sampling(self, req, max_tokens: int, choice: int) -> SamplingParams:
         seed = None if req.seed is None else (req.seed + choice) % 2**63
+        if req.logprobs is not None and req.logprobs > self.config.max_logprobs:
+            field = req.logprobs_field
+            raise BadRequest(f"{field}: {req.logprobs} log-probabilities per token asked; at "
+                             f"most max_logprobs={self.config.max_logprobs}", param=field)
+        defaults = self.defaults
+        top_k = defaults.get("top_k", 0) if req.top_k is None else req.top_k
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=0 if req.top_k in (None, -1) else req.top_k,
+                temperature=defaults.get("temperature", 1.0) if req.temperature is None
+                else req.temperature,
+                top_p=defaults.get("top_p", 1.0) if req.top_p is None else req.top_p,
+                top_k=0 if top_k == -1 else top_k,
                 seed=seed,
                 stop_token_ids=tuple(req.stop_token_ids or ()),
                 ignore_eos=req.ignore_eos,
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
-                repetition_penalty=req.repetition_penalty or 1.0,
+                repetition_penalty=req.repetition_penalty or defaults.get("repetition_penalty", 1.0),
                 min_tokens=req.min_tokens or 0,
                 logit_bias=tuple((int(t), b) for t, b in (req.logit_bias or {}).items()),
                 logprobs=req.logprobs,
@@ -390,6 +398,7 @@ class _RequestSettings:
     min_tokens: int | None
     logit_bias: dict[str, float] | None
     logprobs: int | None  # top alternatives per token (0: the token's own), None: none
+    logprobs_field: str  # the request field that asks for them
     structured: tuple[str, str] | None  # what the output must match (kind, spec)
     skip_special_tokens: bool
     include_stop_str_in_output: bool
@@ -405,5 +414,6 @@ class _RequestSettings:
                    frequency_penalty=req.frequency_penalty,
                    repetition_penalty=req.repetition_penalty, min_tokens=req.min_tokens,
                    logit_bias=req.logit_bias, logprobs=req.requested_logprobs,
+                   logprobs_field="logprobs" if hasattr(req, "prompt") else "top_logprobs",
                    structured=req.structured, skip_special_tokens=req.skip_special_tokens,
                    include_stop_str_in_output=req.include_stop_str_in_output)

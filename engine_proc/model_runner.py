@@ -80,6 +80,7 @@ class ModelRunner:
         num_kv_blocks: int | None = None,
         kv_cache_memory_bytes: int | None = None,
         kv_cache_memory_fraction: float = 0.8,
+        gpu_memory_utilization: float | None = None,
         max_num_kv_blocks: int | None = None,
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
@@ -97,7 +98,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.structured = None  # StructuredOutputs, set by the engine
         self.num_kv_blocks = self._num_kv_blocks(
-            num_kv_blocks, kv_cache_memory_bytes, kv_cache_memory_fraction, max_num_kv_blocks
+            num_kv_blocks, kv_cache_memory_bytes, kv_cache_memory_fraction, max_num_kv_blocks,
+            gpu_memory_utilization,
         )
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
         self.encoder_cache = EncoderCache(0)  # sized by the engine (default_encoder_cache_bytes)
@@ -123,10 +125,19 @@ class ModelRunner:
         memory_bytes: int | None,
         memory_fraction: float,
         max_num_kv_blocks: int | None,
+        gpu_memory_utilization: float | None = None,
     ) -> int:
         if num_kv_blocks:
             return num_kv_blocks
-        if memory_bytes is None and self.on_cuda:
+        if gpu_memory_utilization is not None and not self.on_cuda:
+            raise ValueError("gpu_memory_utilization applies to GPUs; on a CPU set "
+                             "kv_cache_memory_bytes")
+        if memory_bytes is None and self.on_cuda and gpu_memory_utilization is not None:
+            # vLLM's meaning: this share of the whole device, less what is in use now
+            # (weights, the CUDA context, other processes)
+            free, total = torch.cuda.mem_get_info(self.device)
+            memory_bytes = int(total * gpu_memory_utilization) - (total - free)
+        elif memory_bytes is None and self.on_cuda:
             free, _ = torch.cuda.mem_get_info(self.device)
             memory_bytes = int(free * memory_fraction)
         elif memory_bytes is None:

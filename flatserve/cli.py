@@ -51,6 +51,9 @@ def build_serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     ApiConfig.add_cli_args(parser)
     _add_engine_args(parser)
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    parser.add_argument("--disable-log-requests", dest="enable_log_requests",
+                        action="store_false", help="vLLM's older spelling of "
+                        "--no-enable-log-requests")
     parser.add_argument("--uvicorn-log-level", choices=[*LOG_LEVELS, "trace"],
                         help="log level of the HTTP server (default: --log-level)")
     return parser

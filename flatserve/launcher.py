@@ -37,6 +37,7 @@ ENGINE_FLAGS = (
     "enable_prefix_caching",
     "num_kv_blocks",
     "kv_cache_memory_bytes",
+    "gpu_memory_utilization",
     "max_waiting",
     "device",
     "dtype",
@@ -142,6 +143,14 @@ def _resolve_model(args: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
     return str(ensure_tiny_checkpoint()), names or ("flatserve-tiny-qwen2.5-vl",)
 
 
+def _on_gpu(device: str | None) -> bool:
+    if device is not None:
+        return device.startswith("cuda")
+    import torch  # only asked when the flag is given
+
+    return torch.cuda.is_available()
+
+
 class _Stop(Exception):
     pass
 
@@ -165,6 +174,9 @@ def run_server(args: argparse.Namespace) -> int:
     except (OSError, ValueError, KeyError) as e:  # before any process starts: one line
         raise SystemExit(f"flatserve serve: {model}: {e}") from None
     max_model_len = args.max_model_len or min(own, DEFAULT_MAX_MODEL_LEN)
+    if args.gpu_memory_utilization is not None and not _on_gpu(args.device):
+        raise SystemExit("flatserve serve: --gpu-memory-utilization applies to GPUs and the "
+                         "engines run on the CPU: set --kv-cache-memory-bytes instead")
     # --engine-addresses: engines started elsewhere (`flatserve engine`), none spawned here.
     num_spawned = 0 if args.engine_addresses else args.engines
     if not args.engine_addresses and args.engines < 1:

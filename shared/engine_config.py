@@ -35,6 +35,10 @@ class EngineConfig:
         True, "reuse the KV cache blocks of earlier requests with the same leading tokens "
         "and images")
     num_kv_blocks: int = opt(0, "KV cache blocks (0: from --kv-cache-memory-bytes)")
+    gpu_memory_utilization: float | None = opt(
+        None, "share of the GPU's total memory this engine may use, weights and activations "
+        "included: the KV cache gets what is left of it after loading (vLLM's meaning; "
+        "default: 80%% of the memory free after loading; GPUs only)")
     kv_cache_memory_bytes: int = opt(0, "KV cache bytes (0: 80%% of free GPU memory, 256 MiB on CPU)")
     max_waiting: int = opt(4096, "most requests queued in the engine before it refuses more")
     device: str | None = opt(None, "torch device (default: cuda if available, else cpu)",
@@ -68,6 +72,9 @@ class EngineConfig:
         if self.encoder_cache_bytes < -1:
             raise ValueError("encoder_cache_bytes must be -1 (auto), 0 (off) or a byte count, "
                              f"got {self.encoder_cache_bytes}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
         if self.dtype is not None and self.dtype.removeprefix("torch.") not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
         if self.device is not None:

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 MAX_LOGIT_BIAS_ENTRIES = 1024
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 MAX_JSON_WHITESPACE = 4  # runs of whitespace JSON may hold: a model cannot pad forever
-MAX_LOGPROBS = 20  # most top alternatives per token (vLLM's default --max-logprobs)
+MAX_LOGPROBS = 1024  # most top alternatives per token a request can carry at all; the
+# server's --max-logprobs (default 20, as vLLM's) is the limit clients see
 
 
 @dataclass(frozen=True)

@@ -51,12 +51,36 @@ def test_help_shows_defaults():
     assert "(default: 64)" in text and "(default: 8)" in text and "MODEL" in text
 
 
+def test_gpu_memory_utilization_is_refused_on_a_cpu():
+    done = subprocess.run([sys.executable, "-m", "flatserve.cli", "serve", "--device", "cpu",
+                           "--gpu-memory-utilization", "0.9"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "--gpu-memory-utilization applies to GPUs" in done.stderr.strip().splitlines()[-1]
+
+
 @pytest.mark.slow
 def test_positional_model_and_several_served_names(tiny_model_path, tmp_path):
+    import json
+
+    defaults = tmp_path / "gen"
+    defaults.mkdir()
+    (defaults / "generation_config.json").write_text(json.dumps({"temperature": 0.0}))
     server = ServerProcess(str(tiny_model_path), "--served-model-name", "main", "alias",
-                           log_path=tmp_path / "server.log")
+                           "--max-logprobs", "2", "--generation-config", str(defaults),
+                           "--enable-log-requests", log_path=tmp_path / "server.log")
     try:
         server.wait_ready()
+        # --generation-config: a request without temperature samples at its default, 0
+        ask = {"model": "main", "messages": [{"role": "user", "content": "a story"}],
+               "max_tokens": 12}
+        texts = {httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                            json=ask | extra).json()["choices"][0]["message"]["content"]
+                 for extra in ({}, {}, {"temperature": 0})}
+        assert len(texts) == 1
+        many = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                          json=ask | {"logprobs": True, "top_logprobs": 3})
+        assert many.status_code == 400 and "max_logprobs=2" in many.text
         ids = [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]]
         assert ids == ["main", "alias"]
         reply = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
@@ -67,6 +91,7 @@ def test_positional_model_and_several_served_names(tiny_model_path, tmp_path):
         assert other.status_code == 404
     finally:
         server.stop()
+    assert "request chatcmpl-" in server.log_tail(20000)  # --enable-log-requests
     twice = subprocess.run([sys.executable, "-m", "flatserve.cli", "serve", str(tiny_model_path),
                             "--model", str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert twice.returncode != 0 and "the model is given twice" in twice.stderr
