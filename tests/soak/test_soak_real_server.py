@@ -11,14 +11,16 @@ from flatserve.soak import SoakConfig, run_soak
 from shared.tiny_checkpoint import TINY, ensure_checkpoint
 from tests.engine_proc.families import SERVED_FAMILIES
 
-# A short run (about 30 s each on an idle machine): the slope limit is looser than the default meant for
-# thousands of requests, since the engine's per-step working set (+-10 MB with the batch
-# mix) over ~240 requests already reads as up to 40 MB per 1,000. The leak below keeps a
-# 336x336x3 image per request: about 340 MB per 1,000. The encoder cache stays on, with a
+# A short run (about 30 s each on an idle machine): the slope limit is far looser than the
+# default meant for thousands of requests. Over 240 measured requests the engine's RSS can
+# step once by ~20 MB (its allocator taking a new region for a larger batch), which a line
+# fit reads as up to ~125 MB per 1,000 (seen: +102 with the RSS flat before and after the
+# step); the long soak is what bounds growth tightly. The leak below keeps a 336x336x3
+# image per request: about 340 MB per 1,000 (fits read 290), about twice the limit. The encoder cache stays on, with a
 # budget (1 MiB, ~25 of these images) that fills during the warm-up: the run then measures
 # it evicting as it admits, not the fill a bounded cache is allowed.
 SHORT_RUN = dict(requests=320, concurrency=8, image_size=336, max_tokens=8, disconnect_share=0.1,
-                 text_only_share=0.1, warmup_share=0.25, interval_s=0.2, max_slope=60.0,
+                 text_only_share=0.1, warmup_share=0.25, interval_s=0.2, max_slope=150.0,
                  progress=False,
                  server_args=("--mm-inflight-budget", str(64 << 20), "--max-num-seqs", "16",
                               "--encoder-cache-bytes", str(1 << 20)))
