@@ -428,7 +428,10 @@ class RequestStream:
         else:  # the consumer is behind: merge, so a stream never holds more than its tokens
             pending.new_token_ids.extend(output.new_token_ids)
             if output.logprobs:
-                pending.logprobs = (pending.logprobs or []) + output.logprobs
+                if pending.logprobs is None:
+                    pending.logprobs = output.logprobs
+                else:
+                    pending.logprobs.extend(output.logprobs)
             pending.finish_reason = output.finish_reason
             pending.num_completion_tokens = output.num_completion_tokens
             pending.error, pending.error_code = output.error, output.error_code

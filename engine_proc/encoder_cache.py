@@ -29,6 +29,8 @@ import torch
 
 from engine_proc.sequence import ImageSpan
 
+MAX_UNREPORTED_REMOVALS = 65536  # evicted keys kept for take_key_changes (1 MiB of keys)
+
 
 @dataclass
 class _Entry:
@@ -120,6 +122,10 @@ class EncoderCache:
         key, entry = self._entries.popitem(last=False)
         self.num_bytes -= entry.nbytes
         self._added.pop(key, None)
+        if len(self._removed) >= MAX_UNREPORTED_REMOVALS:
+            # only an engine whose changes nobody takes (offline use) gets here; the API's
+            # mirror is a hint (IMAGE_MISSING covers a stale one), so forgetting is safe
+            self._removed.clear()
         self._removed.add(key)
 
     def take_key_changes(self) -> tuple[list[bytes], list[bytes]]:

@@ -105,6 +105,7 @@ class LLMEngine:
         self.structured = self.model_runner.structured = StructuredOutputs(
             model_path, self.config.text.vocab_size, self.config.eos_token_ids)
         self.compiling: list[Sequence] = []  # waiting for their grammar
+        self._caches_on = enable_prefix_caching or self.encoder_cache.enabled
         self.seqs: dict[str, Sequence] = {}  # unfinished, by request id
         self.mm_seqs: list[Sequence] = []  # unfinished and still holding image data
         self.pending_outputs: list[RequestOutput] = []  # aborts, reported by the next step
@@ -382,7 +383,8 @@ class LLMEngine:
                 raise RequestRejected(
                     f"image {i}: prompt lacks a run of {length} image tokens for it"
                 )
-            key = image.key or pixels_key(pixels, (t, h, w))
+            # hashing the pixels costs ~1 ms per MB on the engine loop: only for the caches
+            key = image.key or (pixels_key(pixels, (t, h, w)) if self._caches_on else b"")
             span = ImageSpan(pixels, (t, h, w), int(run[0]), length, key)
             self.encoder_cache.query(span)  # a hit drops the pixels at once
             spans.append(span)
