@@ -86,10 +86,6 @@ class StructuredOutputs:
         self._xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size,
                                               indices=rows)
 
-    def shutdown(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-
     # ---- the worker thread -----------------------------------------------------------
 
     def _setup(self) -> None:
