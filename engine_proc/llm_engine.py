@@ -13,6 +13,7 @@ without pixels must be a hit; otherwise the request is refused with ImageMissing
 from __future__ import annotations
 
 import logging
+import time
 import traceback
 from concurrent.futures import FIRST_COMPLETED, wait
 
@@ -70,6 +71,7 @@ class LLMEngine:
         device: str | None = None,
         dtype: str | None = None,
         encoder_cache_bytes: int = EngineConfig.encoder_cache_bytes,
+        decode_share: float = EngineConfig.decode_share,
     ):
         self.config: ModelConfig = load_model_config(model_path)
         self.max_model_len = min(
@@ -101,6 +103,7 @@ class LLMEngine:
             max_waiting=max_waiting,
             eos_token_ids=self.config.eos_token_ids,
             enable_prefix_caching=enable_prefix_caching,
+            decode_share=decode_share,
         )
         self.structured = self.model_runner.structured = StructuredOutputs(
             model_path, self.config.text.vocab_size, self.config.eos_token_ids)
@@ -127,6 +130,7 @@ class LLMEngine:
             device=config.device,
             dtype=config.dtype,
             encoder_cache_bytes=config.encoder_cache_bytes,
+            decode_share=config.decode_share,
         )
 
     # ---- requests ---------------------------------------------------------------------
@@ -174,6 +178,7 @@ class LLMEngine:
                      FIRST_COMPLETED)
             return outputs
         logprobs = None
+        started = time.perf_counter()
         try:
             token_ids, logprobs = self.model_runner.run(batch)
         except Exception as exc:  # fail this step's requests, keep serving the others
@@ -185,6 +190,7 @@ class LLMEngine:
         if token_ids is None:
             outputs.extend(self._fail(batch, error))
             return outputs
+        self.scheduler.decode_share.account(batch, time.perf_counter() - started)
         for i, seq in enumerate(self.scheduler.postprocess(batch, token_ids)):
             output = self._output(seq, [seq.last_token_id])
             if seq.num_completion_tokens == 1 and seq.scheduled_at is not None:

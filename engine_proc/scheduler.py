@@ -59,6 +59,7 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)
     num_decode_seqs: int = 0  # the first num_decode_seqs entries compute exactly one token
     encoder_stage: ImageSpan | None = None  # an image this step runs one vision stage of
+    ran_vision: bool = False  # it encodes images or runs a vision stage
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
         self.seqs.append(seq)
@@ -121,6 +122,39 @@ class _EncoderBudget:
         self.used = True
 
 
+class DecodeShare:
+    """Time owed to running decodes for a step that ran the vision tower.
+
+    A step that runs vision work (an image encoded whole, or one stage of a large one) is
+    long next to a decode step: on the tiny model on 2 CPU cores, ~250 ms against ~8 ms.
+    Every running decode gets one token in it, so without more a request decodes at one
+    token per vision step, and in a burst of images its decode takes as long as the
+    burst. After such a step, decode-only steps (no prefill chunk, no admission, no
+    vision) run until they have taken `share` of its time; then vision work resumes. The
+    vision work loses at most that share of its time (less: the decodes run then are not
+    run later); a running decode gets 1 + share * vision step / decode step tokens per
+    vision step instead of 1."""
+
+    def __init__(self, share: float) -> None:
+        self.share = share
+        self.owed_s = 0.0
+        self.decode_step_s: float | None = None  # recent decode-only step time, measured
+
+    def wants_decode_step(self) -> bool:
+        if self.owed_s <= 0.0:
+            return False
+        return self.decode_step_s is None or self.owed_s >= 0.5 * self.decode_step_s
+
+    def account(self, batch: ScheduledBatch, seconds: float) -> None:
+        """Charge a step that ran for `seconds` (the engine's clock, model included)."""
+        if batch.ran_vision:
+            self.owed_s = self.share * seconds  # owed for this step alone: no backlog
+        elif batch.seqs and batch.all_decode:
+            self.owed_s -= seconds
+            last = self.decode_step_s
+            self.decode_step_s = seconds if last is None else 0.75 * last + 0.25 * seconds
+
+
 class Scheduler:
     def __init__(
         self,
@@ -135,6 +169,7 @@ class Scheduler:
         num_encoder_stages: int = 1,
         eos_token_ids: tuple[int, ...] = (),
         enable_prefix_caching: bool = True,
+        decode_share: float = 0.0,
     ):
         if max_num_batched_tokens < max_num_seqs:
             # every running sequence must get its decode token each step, or some starve
@@ -150,6 +185,7 @@ class Scheduler:
         self.max_num_encoder_patches = max_num_encoder_patches
         self.num_encoder_stages = num_encoder_stages
         self.staged: ImageSpan | None = None  # the image being encoded in stages
+        self.decode_share = DecodeShare(decode_share)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -225,6 +261,8 @@ class Scheduler:
             scheduled.add(seq.seq_id)
         budget -= batch.num_seqs
         batch.num_decode_seqs = batch.num_seqs
+        if batch.seqs and self.decode_share.wants_decode_step():
+            return batch  # decode-only: time owed to the decodes by a vision step
         # 2. the next chunk of sequences still prefilling (all their blocks are allocated)
         for seq in prefilling:
             if budget == 0:
@@ -265,6 +303,7 @@ class Scheduler:
         if encoder.stage is None and encoder.staged is not None and not encoder.used:
             encoder.take_stage(encoder.staged)  # its sequence was not reached this step
         batch.encoder_stage = encoder.stage
+        batch.ran_vision = encoder.used
         self.staged = encoder.staged
         return batch
 

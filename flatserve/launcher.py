@@ -33,6 +33,7 @@ ENGINE_FLAGS = (
     "max_num_seqs",
     "max_num_batched_tokens",
     "max_num_encoder_patches",
+    "decode_share",
     "block_size",
     "enable_prefix_caching",
     "num_kv_blocks",

@@ -29,6 +29,10 @@ class EngineConfig:
     max_num_encoder_patches: int = opt(
         4096, "vision patches one step may encode (a larger image is encoded in stages, one "
         "per step, the vision tower cut at its full-attention blocks)")
+    decode_share: float = opt(
+        0.1, "after a step that ran the vision tower, decode-only steps run until they took "
+        "this share of its time, so running requests keep decoding through a burst of images "
+        "(0: off)")
     max_model_len: int = opt(0, "prompt + completion token limit (0: the model's own)")
     block_size: int = opt(16, "tokens per KV cache block")
     enable_prefix_caching: bool = opt(
@@ -69,6 +73,8 @@ class EngineConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
 
+        if not 0 <= self.decode_share <= 1:
+            raise ValueError(f"decode_share must be in [0, 1], got {self.decode_share}")
         if self.encoder_cache_bytes < -1:
             raise ValueError("encoder_cache_bytes must be -1 (auto), 0 (off) or a byte count, "
                              f"got {self.encoder_cache_bytes}")

@@ -12,6 +12,9 @@ def make_engine(path, **kw) -> LLMEngine:
         max_model_len=1024,
         num_kv_blocks=256,
         device="cpu",
+        # the decode share picks decode-only steps by the clock: tests that check what each
+        # step does need the schedule without it (test_engine.py runs it on)
+        decode_share=0.0,
     )
     args.update(kw)
     return LLMEngine(str(path), **args)

@@ -316,6 +316,29 @@ def test_an_image_over_the_encoder_budget_is_encoded_in_stages(model_path, confi
     assert out["text"] == reference.greedy(config, TEXT, 1)
 
 
+def test_decode_only_steps_between_vision_stages_keep_the_tokens(model_path, config, reference):
+    # a decode share of 1: after each vision stage, decode-only steps run for as long as the
+    # stage did; the text request decodes through them, and nothing changes in the tokens
+    engine = make_engine(model_path, max_num_encoder_patches=16, max_num_seqs=4,
+                         decode_share=1.0)
+    kinds = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        batch = schedule()
+        kinds.append("vision" if batch.ran_vision else "decode" if batch.all_decode else "-")
+        return batch
+
+    engine.scheduler.schedule = recording
+    segments = [5, (6, 8), 7]
+    requests = [make_request(config, "text", TEXT, 1), make_request(config, "big", segments)]
+    out = run(engine, requests)
+    assert out["big"] == reference.greedy(config, segments)
+    assert out["text"] == reference.greedy(config, TEXT, 1)
+    first_vision = kinds.index("vision")
+    assert kinds[first_vision + 1] == "decode", kinds  # the text decodes before the next stage
+
+
 def test_a_failing_stage_fails_its_request(tiny_model_path, tiny_config, tiny_reference):
     engine = make_engine(tiny_model_path, max_num_encoder_patches=16)
     model = engine.model_runner.model

@@ -452,3 +452,62 @@ def test_random_workload_with_shared_prefixes_keeps_block_accounting():
     assert all(s.is_finished for s in seqs)
     assert sched.num_prefix_cache_hits > 0
     assert sched.block_manager.num_free_blocks == 24 and not any(sched.block_manager.ref_counts)
+
+
+# ---- decode share ---------------------------------------------------------------------------
+
+
+def test_decodes_get_steps_of_their_own_for_a_share_of_a_vision_step():
+    # a 2-stage tower; `b` decodes while `a`'s image is encoded
+    sched = make_scheduler(max_num_batched_tokens=64, max_num_encoder_patches=2,
+                           num_encoder_stages=2, decode_share=0.1)
+    b = make_seq(6, max_tokens=20)
+    sched.add(b)
+    step(sched)  # b's prefill
+    a = make_seq(6, images=[(1, 1)])
+    sched.add(a)
+    batch, _ = step(sched)  # a's first vision stage, b decodes beside it
+    assert batch.ran_vision and batch.seqs == [b, a]
+    sched.decode_share.account(batch, 0.200)  # 20 ms owed to the decodes
+    kinds = []
+    for _ in range(5):
+        batch, _ = step(sched)
+        kinds.append("decode" if not batch.ran_vision else "vision")
+        sched.decode_share.account(batch, 0.008 if not batch.ran_vision else 0.200)
+        if batch.ran_vision:
+            break
+    # 3 decode-only steps (20 ms at ~8 ms each, the last one starting with 4 ms owed), then
+    # the vision work goes on
+    assert kinds == ["decode", "decode", "decode", "vision"]
+    assert a.images[0].embeds is not None
+
+
+def test_decode_only_steps_neither_admit_nor_prefill():
+    sched = make_scheduler(max_num_batched_tokens=64, decode_share=0.5)
+    b = make_seq(6, max_tokens=20)
+    sched.add(b)
+    step(sched)
+    sched.decode_share.owed_s = 1.0
+    waiting = make_seq(6)
+    sched.add(waiting)
+    batch, _ = step(sched)
+    assert batch.seqs == [b] and batch.all_decode and waiting.status == SequenceStatus.WAITING
+
+
+def test_no_decode_share_and_no_decodes_leave_the_steps_alone():
+    sched = make_scheduler(max_num_batched_tokens=64, decode_share=0.0)
+    b = make_seq(6, max_tokens=20)
+    sched.add(b)
+    step(sched)
+    sched.decode_share.account(type(step(sched)[0])(ran_vision=True), 1.0)
+    waiting = make_seq(6)
+    sched.add(waiting)
+    batch, _ = step(sched)
+    assert waiting in batch.seqs  # share 0: nothing is owed
+    # nothing to decode: the owed time does not hold the queue back
+    sched = make_scheduler(max_num_batched_tokens=64, decode_share=0.5)
+    sched.decode_share.owed_s = 1.0
+    first = make_seq(6)
+    sched.add(first)
+    batch, _ = step(sched)
+    assert batch.seqs == [first]
