@@ -30,7 +30,7 @@ class EngineConfig:
         4096, "vision patches one step may encode (a larger image is encoded in stages, one "
         "per step, the vision tower cut at its full-attention blocks)")
     decode_share: float = opt(
-        0.1, "after a step that ran the vision tower, decode-only steps run until they took "
+        0.05, "after a step that ran the vision tower, decode-only steps run until they took "
         "this share of its time, so running requests keep decoding through a burst of images "
         "(0: off)")
     max_model_len: int = opt(0, "prompt + completion token limit (0: the model's own)")
