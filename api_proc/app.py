@@ -76,7 +76,8 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
     builder = PromptBuilder(config.model, model_config, config.max_model_len, config.chat_template)
     loader = media_loader or MediaLoader(config, model_config.image)
     admission = AdmissionController(config.mm_inflight_budget, config.admission_timeout_s)
-    engines = engine_client or EngineClient.connect(config.engine_addresses, engine_processes)
+    engines = engine_client or EngineClient.connect(config.engine_addresses, engine_processes,
+                                                    keys=config.client_keys())
     metrics = Metrics(num_waiting=lambda: admission.num_waiting,
                       num_running=lambda: engines.num_in_flight,
                       mm_inflight_bytes=lambda: admission.in_flight_bytes,

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from rpc.curve import FOLDER_HELP, ClientKeys, check_plain_tcp, load_client_keys
 from shared.config_args import add_dataclass_args, dataclass_from_args, opt
 from shared.sampling_params import MAX_LOGPROBS
 
@@ -80,7 +81,14 @@ class ApiConfig:
         "repetition_penalty), 'vllm' uses none, or a folder holding a generation_config.json")
     enable_log_requests: bool = opt(False, "log each request's id, prompt length and settings "
                                            "(never its text or images)")
-    engine_addresses: tuple[str, ...] = opt((), "engine RPC addresses (ipc:// or tcp://)")
+    engine_addresses: tuple[str, ...] = opt(
+        (), "engine RPC addresses (ipc:// or tcp://), of engines started with `flatserve "
+        "engine`; none is spawned then")
+    curve_key_dir: str | None = opt(
+        None, f"{FOLDER_HELP}; the API reads client.key_secret and server.key")
+    insecure: bool = opt(
+        False, "allow plain tcp:// to engines beyond loopback without --curve-key-dir "
+        "(unauthenticated, unencrypted)")
     chat_template: str | None = opt(
         None, "a Jinja chat template file used instead of the model's own")
     enable_auto_tool_choice: bool = opt(
@@ -141,6 +149,13 @@ class ApiConfig:
         for addr in self.engine_addresses:
             if not addr.startswith(("ipc://", "tcp://")):
                 raise ValueError(f"engine address {addr!r} must start with ipc:// or tcp://")
+            if self.curve_key_dir is None:
+                check_plain_tcp(addr, self.insecure)
+        self.client_keys()  # a missing or unreadable key fails here, before any process starts
+
+    def client_keys(self) -> ClientKeys | None:
+        """The CURVE keys of connections to tcp:// engines."""
+        return None if self.curve_key_dir is None else load_client_keys(self.curve_key_dir)
 
     def default_sampling(self) -> dict:
         """The sampling defaults --generation-config names (vLLM's meaning)."""

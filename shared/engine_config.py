@@ -7,6 +7,7 @@ import json
 import re
 from dataclasses import asdict, dataclass, fields
 
+from rpc.curve import FOLDER_HELP, check_plain_tcp, load_server_keys, uses_curve
 from shared.config_args import opt
 
 # what --dtype takes (engine_proc/model_runner.py DTYPES maps them to torch dtypes)
@@ -23,6 +24,12 @@ def parse_device(text: str) -> str:
 class EngineConfig:
     model: str = opt("", "local checkpoint folder")
     address: str = opt("", "RPC address to bind (ipc://PATH or tcp://HOST:PORT)")
+    curve_key_dir: str = opt(
+        "", f"{FOLDER_HELP}; the engine reads server.key_secret and authorized/ and accepts "
+        "only those API keys")
+    insecure: bool = opt(
+        False, "allow a tcp:// address beyond loopback without --curve-key-dir "
+        "(unauthenticated, unencrypted)")
     rank: int = opt(0, "index of this engine among the server's engines")
     max_num_seqs: int = opt(64, "most sequences in one batch")
     max_num_batched_tokens: int = opt(8192, "token budget of one step (chunked prefill)")
@@ -84,6 +91,13 @@ class EngineConfig:
                 raise ValueError(f"device: {e}") from None
         if not -1 <= self.engine_nice <= 19:
             raise ValueError(f"engine_nice must be -1 (auto) or 0-19, got {self.engine_nice}")
+        if self.curve_key_dir:
+            if not uses_curve(self.address):
+                raise ValueError(f"curve_key_dir: keys apply to tcp:// addresses, not "
+                                 f"{self.address!r}")
+            load_server_keys(self.curve_key_dir)  # fails here, before the model loads
+        else:
+            check_plain_tcp(self.address, self.insecure)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
