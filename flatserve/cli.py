@@ -11,6 +11,7 @@ from dataclasses import fields, replace
 
 from api_proc.config import ApiConfig
 from flatserve.launcher import ENGINE_FLAGS
+from flatserve.vllm_flags import add_vllm_flags
 from shared.config_args import add_dataclass_args
 from shared.engine_config import EngineConfig
 
@@ -89,6 +90,9 @@ def build_serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         "--no-enable-log-requests")
     parser.add_argument("--uvicorn-log-level", choices=[*LOG_LEVELS, "trace"],
                         help="log level of the HTTP server (default: --log-level)")
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true",
+                        help="no access log line per HTTP request")
+    add_vllm_flags(parser)
     return parser
 
 

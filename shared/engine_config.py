@@ -8,7 +8,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 
 from rpc.curve import FOLDER_HELP, check_plain_tcp, load_server_keys, uses_curve
-from shared.config_args import opt
+from shared.config_args import opt, parse_human_int
 
 # what --dtype takes (engine_proc/model_runner.py DTYPES maps them to torch dtypes)
 DTYPE_NAMES = ("auto", "float32", "float", "fp32", "bfloat16", "bf16", "float16", "half", "fp16")
@@ -36,12 +36,14 @@ class EngineConfig:
     max_num_encoder_patches: int = opt(
         4096, "vision patches one step may encode (a larger image is encoded in stages, one "
         "per step, the vision tower cut at its full-attention blocks)")
-    max_model_len: int = opt(0, "prompt + completion token limit (0: the model's own)")
+    max_model_len: int = opt(0, "prompt + completion token limit (0: the model's own)",
+                             parse=parse_human_int)
     block_size: int = opt(16, "tokens per KV cache block")
     enable_prefix_caching: bool = opt(
         True, "reuse the KV cache blocks of earlier requests with the same leading tokens "
         "and images")
-    num_kv_blocks: int = opt(0, "KV cache blocks (0: from --kv-cache-memory-bytes)")
+    num_kv_blocks: int = opt(0, "KV cache blocks (0: from --kv-cache-memory-bytes)",
+                             aliases=("--num-gpu-blocks-override",))
     gpu_memory_utilization: float | None = opt(
         None, "share of the GPU's total memory this engine may use, weights and activations "
         "included: the KV cache gets what is left of it after loading (vLLM's meaning; "
@@ -58,6 +60,8 @@ class EngineConfig:
     engine_nice: int = opt(
         -1, "niceness added to each engine process (-1: 10 when it computes on the CPU, so "
         "the API's event loop and image decoding preempt model math; 0 on a GPU)")
+    seed: int = opt(0, "random seed of each engine: sampling without a per-request seed "
+                       "repeats from one start to the next (vLLM's --seed)")
     log_level: str = opt("info", "log level")
     encoder_cache_bytes: int = opt(
         -1, "bytes of vision embeddings kept for images seen again (skips the vision tower "
@@ -72,7 +76,7 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes", "rank",
-                     "torch_threads"):
+                     "torch_threads", "seed"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
 
