@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from api_proc.admission import AdmissionController
@@ -76,7 +77,8 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
     builder = PromptBuilder(config.model, model_config, config.max_model_len, config.chat_template)
     loader = media_loader or MediaLoader(config, model_config.image)
     admission = AdmissionController(config.mm_inflight_budget, config.admission_timeout_s)
-    engines = engine_client or EngineClient.connect(config.engine_addresses, engine_processes)
+    engines = engine_client or EngineClient.connect(config.engine_addresses, engine_processes,
+                                                    keys=config.client_keys())
     metrics = Metrics(num_waiting=lambda: admission.num_waiting,
                       num_running=lambda: engines.num_in_flight,
                       mm_inflight_bytes=lambda: admission.in_flight_bytes,
@@ -97,6 +99,12 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
 
     app = FastAPI(title="flatserve", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
+    app.root_path = config.root_path  # behind a proxy serving under a prefix (as vLLM sets it)
+    if config.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                           allow_methods=list(config.allowed_methods),
+                           allow_headers=list(config.allowed_headers),
+                           allow_credentials=config.allow_credentials)
     install_error_handlers(app)
     app.state.config = config
     app.state.serving = serving

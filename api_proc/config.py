@@ -8,13 +8,28 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.config_args import add_dataclass_args, dataclass_from_args, opt
+from rpc.curve import FOLDER_HELP, ClientKeys, check_plain_tcp, load_client_keys
+from shared.config_args import add_dataclass_args, dataclass_from_args, opt, parse_human_int
 from shared.sampling_params import MAX_LOGPROBS
 
 MiB = 1 << 20
 GiB = 1 << 30
 # Qwen's `<tool_call>` JSON (api_proc/tool_parser.py); vLLM names it after the Hermes models
 TOOL_CALL_PARSERS = ("hermes",)
+
+
+def parse_json_list(text: str) -> list[str]:
+    """vLLM's JSON list of strings ('["http://a.example", "http://b.example"]'); a bare
+    string is a list of one."""
+    if not text.lstrip().startswith("["):
+        return [text]
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON list") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON list of strings")
+    return value
 
 
 def parse_mm_limit(text: str) -> int:
@@ -48,7 +63,18 @@ class ApiConfig:
     served_model_name: tuple[str, ...] = opt(
         (), "model ids clients may use, the first one in responses (default: the folder's name)")
     api_key: str | None = opt(None, "require 'Authorization: Bearer KEY' on /v1 routes")
-    max_model_len: int = opt(0, "prompt + completion token limit (0: the model's own)")
+    root_path: str = opt("", "the path prefix a proxy serves this API under (FastAPI's "
+                             "root_path): both /PREFIX/v1/... and /v1/... are served")
+    allowed_origins: tuple[str, ...] = opt(
+        (), "CORS: origins browsers may call from, vLLM's JSON list ('[\"*\"]': any) (default: "
+        "none, no CORS headers; vLLM's default is any)", parse=parse_json_list)
+    allowed_methods: tuple[str, ...] = opt(("*",), "CORS: allowed methods, a JSON list",
+                                           parse=parse_json_list)
+    allowed_headers: tuple[str, ...] = opt(("*",), "CORS: allowed request headers, a JSON list",
+                                           parse=parse_json_list)
+    allow_credentials: bool = opt(False, "CORS: let browsers send cookies and credentials")
+    max_model_len: int = opt(0, "prompt + completion token limit, as 4096, 32k or 32K (0: the "
+                                "model's own, at most 8192)", parse=parse_human_int)
     limit_mm_per_prompt: int = opt(8, "most images in one request: N, or vLLM's JSON form "
                                       "'{\"image\": N}'", parse=parse_mm_limit)
     max_image_pixels: int = opt(40_000_000, "most pixels an image header may declare")
@@ -80,7 +106,14 @@ class ApiConfig:
         "repetition_penalty), 'vllm' uses none, or a folder holding a generation_config.json")
     enable_log_requests: bool = opt(False, "log each request's id, prompt length and settings "
                                            "(never its text or images)")
-    engine_addresses: tuple[str, ...] = opt((), "engine RPC addresses (ipc:// or tcp://)")
+    engine_addresses: tuple[str, ...] = opt(
+        (), "engine RPC addresses (ipc:// or tcp://), of engines started with `flatserve "
+        "engine`; none is spawned then")
+    curve_key_dir: str | None = opt(
+        None, f"{FOLDER_HELP}; the API reads client.key_secret and server.key")
+    insecure: bool = opt(
+        False, "allow plain tcp:// to engines beyond loopback without --curve-key-dir "
+        "(unauthenticated, unencrypted)")
     chat_template: str | None = opt(
         None, "a Jinja chat template file used instead of the model's own")
     enable_auto_tool_choice: bool = opt(
@@ -104,6 +137,12 @@ class ApiConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (use None to disable)")
+        if self.root_path and (not self.root_path.startswith("/") or self.root_path == "/"
+                               or self.root_path.endswith("/")):
+            raise ValueError(f"root_path must look like /prefix, got {self.root_path!r}")
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            value = getattr(self, name)
+            object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
         for name in ("max_model_len", "media_workers", "limit_mm_per_prompt"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")
@@ -141,6 +180,13 @@ class ApiConfig:
         for addr in self.engine_addresses:
             if not addr.startswith(("ipc://", "tcp://")):
                 raise ValueError(f"engine address {addr!r} must start with ipc:// or tcp://")
+            if self.curve_key_dir is None:
+                check_plain_tcp(addr, self.insecure)
+        self.client_keys()  # a missing or unreadable key fails here, before any process starts
+
+    def client_keys(self) -> ClientKeys | None:
+        """The CURVE keys of connections to tcp:// engines."""
+        return None if self.curve_key_dir is None else load_client_keys(self.curve_key_dir)
 
     def default_sampling(self) -> dict:
         """The sampling defaults --generation-config names (vLLM's meaning)."""

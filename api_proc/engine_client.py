@@ -12,6 +12,11 @@ leaves pings unanswered for heartbeat_timeout_s) fails all of its requests at on
 typed 503; its connection starts over on a fresh socket and the engine is used again once it
 answers.
 
+Over tcp:// a connection uses CURVE keys when given (rpc/curve.py) and watches its handshakes:
+an engine that refuses our key, or holds another key than the one we pin, is reported as such
+(health, 503s) instead of as a silent engine; the socket starts over so a fixed engine is
+found again.
+
 Each connection mirrors the keys of its engine's encoder cache (StepOutputs.encoder_keys),
 bounded, so the pipeline can leave out the pixels of images the engine holds (serving.py).
 """
@@ -27,10 +32,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from api_proc.admission import Reservation
 from api_proc.errors import BadRequest, EngineFailed, EngineUnavailable, HTTPError
 from rpc.codec import DecodeError, decode, encode
+from rpc.curve import ClientKeys, uses_curve
 from rpc.sockets import check_address, make_socket
 from shared.messages import (
     AbortRequests,
@@ -51,6 +58,9 @@ MAX_MIRRORED_KEYS = 1 << 16  # 17-byte keys: a few MB at most; the oldest go fir
 _POLLIN = int(zmq.POLLIN)
 _EVENTS = int(zmq.EVENTS)
 _NOBLOCK = int(zmq.NOBLOCK)
+NOT_CONNECTED = "not connected yet"
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 class EngineConnection:
@@ -59,9 +69,11 @@ class EngineConnection:
 
     def __init__(self, address: str, process: Any = None, *,
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S,
-                 heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S) -> None:
+                 heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
+                 keys: ClientKeys | None = None) -> None:
         check_address(address)
         self.address = address
+        self.keys = keys if uses_curve(address) else None
         self.process = process  # the engine's Popen when this process launched it
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -73,10 +85,13 @@ class EngineConnection:
         self.num_tokens = 0  # prompt tokens not yet prefilled + completion tokens not yet made
         self.stats: EngineStats | None = None
         self.encoder_keys: dict[bytes, None] = {}  # the engine's encoder cache, as last heard
-        self.lost_reason: str | None = "not connected yet"
+        self.lost_reason: str | None = NOT_CONNECTED
         self._ready = asyncio.Event()
+        self._heard = asyncio.Event()  # an answer, or a refused handshake
+        self._reasons_logged: set[str] = set()  # since it last answered: a few at most
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sock: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None  # tcp:// only: handshake failures
         self._heartbeat: asyncio.Task | None = None
         self._unanswered_since: float | None = None
         self._num_unsettled = 0  # streams dropped unended whose abort is not sent yet
@@ -108,6 +123,10 @@ class EngineConnection:
     async def wait_ready(self, timeout_s: float) -> None:
         await asyncio.wait_for(self._ready.wait(), timeout_s)
 
+    async def wait_heard(self, timeout_s: float) -> None:
+        """Until the engine answers or refuses our handshake."""
+        await asyncio.wait_for(self._heard.wait(), timeout_s)
+
     async def close(self) -> None:
         if self._heartbeat is not None:
             self._heartbeat.cancel()
@@ -132,7 +151,9 @@ class EngineConnection:
     # ---- receiving
 
     def _open_socket(self) -> None:
-        self._sock = make_socket(zmq.Context.instance(), zmq.DEALER)
+        self._sock = make_socket(zmq.Context.instance(), zmq.DEALER, self.keys)
+        if self.address.startswith("tcp://"):
+            self._monitor = self._sock.get_monitor_socket(HANDSHAKE_FAILED)
         self._sock.connect(self.address)
         self._loop.add_reader(self._sock.getsockopt(zmq.FD), self._drain)
         self._kick()
@@ -140,6 +161,10 @@ class EngineConnection:
     def _close_socket(self) -> None:
         if self._sock is not None:
             self._loop.remove_reader(self._sock.getsockopt(zmq.FD))
+            if self._monitor is not None:
+                self._sock.disable_monitor()
+                self._monitor.close(linger=0)
+                self._monitor = None
             self._sock.close(linger=0)
             self._sock = None
 
@@ -174,7 +199,9 @@ class EngineConnection:
             self._apply_key_news(step.encoder_keys)
         if self.lost_reason is not None:
             self.lost_reason = None
+            self._reasons_logged.clear()
             self._ready.set()
+            self._heard.set()
         streams = self.streams
         for output in step.outputs:
             stream = streams.get(output.request_id)
@@ -202,6 +229,11 @@ class EngineConnection:
                 if self.lost_reason != reason:
                     self._lose(reason)
                 continue
+            refused = self._handshake_failure()
+            if refused is not None:  # zmq gives up on such a connection: start over
+                self._lose(refused)
+                self._heard.set()
+                continue
             if self._sock is not None and self._sock.getsockopt(_EVENTS) & _POLLIN:
                 self._kick()  # replies are waiting: this loop was busy, the engine was not
                 continue
@@ -209,15 +241,48 @@ class EngineConnection:
             # loop (no pings sent) says nothing about the engine
             if self._unanswered_since is None:
                 self._unanswered_since = time.monotonic()
-            elif (self.lost_reason is None
-                  and time.monotonic() - self._unanswered_since > self.heartbeat_timeout_s):
-                self._lose(f"no answer to pings for {self.heartbeat_timeout_s} s")
+            elif time.monotonic() - self._unanswered_since > self.heartbeat_timeout_s:
+                if self.lost_reason is None:
+                    self._lose(f"no answer to pings for {self.heartbeat_timeout_s} s")
+                elif self.lost_reason == NOT_CONNECTED:  # not logged: it may be loading
+                    self.lost_reason = ("no answer to pings since connecting: the engine is "
+                                        "unreachable" + (" or refused our key" if self.keys
+                                                         else ""))
             self.send(Ping())
+
+    def _handshake_failure(self) -> str | None:
+        """Why the last handshake failed, if one did since the last look."""
+        reason = None
+        while self._monitor is not None:
+            try:
+                event = recv_monitor_message(self._monitor, _NOBLOCK)
+            except zmq.Again:
+                break
+            reason = self._describe_handshake_failure(event["event"], event["value"])
+        return reason
+
+    def _describe_handshake_failure(self, event: int, value: int) -> str:
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            return (f"the engine refused our key (ZAP status {value}): put our client.key "
+                    "into its authorized/ folder")
+        # a peer that drops the connection at once reads as "no detail": a mismatch too
+        mismatch = (event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)
+        if self.keys is None:
+            if mismatch:
+                return "the engine requires CURVE keys: give --curve-key-dir"
+            return ("handshake failed: the engine requires CURVE keys (give --curve-key-dir) "
+                    "or is no flatserve engine")
+        if mismatch:
+            return "the engine takes no CURVE keys: start it with --curve-key-dir"
+        return ("CURVE handshake failed: the engine's key is not our server.key, or it takes "
+                "no keys")
 
     def _lose(self, reason: str) -> None:
         """Fail everything routed to this engine; start over on a fresh socket (a new
         identity: nothing stale reaches the engine that answers next)."""
-        if self.lost_reason is None:
+        if reason not in self._reasons_logged:  # a refused handshake repeats every beat
+            self._reasons_logged.add(reason)
             logger.warning("engine %s unavailable: %s", self.address, reason)
         self.lost_reason = reason
         self.encoder_keys.clear()  # the engine that answers next may be a fresh one
@@ -266,15 +331,15 @@ class EngineClient:
                     for i, a in enumerate(addresses)])
 
     async def start(self, timeout_s: float = 10.0) -> None:
-        """Connect every engine and wait (bounded) until each answers."""
+        """Connect every engine and wait (bounded) until each answers or refuses us."""
         for engine in self.engines:
             engine.open()
-        results = await asyncio.gather(*(e.wait_ready(timeout_s) for e in self.engines),
+        results = await asyncio.gather(*(e.wait_heard(timeout_s) for e in self.engines),
                                        return_exceptions=True)
         for engine, result in zip(self.engines, results, strict=True):
             if isinstance(result, BaseException):
-                logger.warning("engine %s not answering %.0f s after start", engine.address,
-                               timeout_s)
+                logger.warning("engine %s not answering %.0f s after start: %s",
+                               engine.address, timeout_s, engine.lost_reason)
 
     async def close(self) -> None:
         await asyncio.gather(*(e.close() for e in self.engines))

@@ -13,6 +13,7 @@ import psutil
 
 from engine_proc.llm_engine import ImageMissing, LLMEngine
 from engine_proc.scheduler import QueueFull, RequestRejected
+from rpc.curve import load_server_keys
 from rpc.engine_server import EngineServer
 from shared.engine_config import EngineConfig
 from shared.memory import release_freed_memory
@@ -27,7 +28,8 @@ class EngineProcess:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.engine = LLMEngine.from_config(config)
-        self.server = EngineServer(config.address, self.engine.max_requests)
+        keys = load_server_keys(config.curve_key_dir) if config.curve_key_dir else None
+        self.server = EngineServer(config.address, self.engine.max_requests, keys=keys)
         self.stopping = False
         self._process = psutil.Process()
         self._rss_at, self._rss_bytes = -1.0, 0

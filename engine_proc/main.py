@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
+    torch.manual_seed(config.seed)  # unseeded sampling draws from torch's global generators
     nice = config.engine_nice
     if nice < 0:
         nice = CPU_ENGINE_NICE if resolve_device(config.device).type == "cpu" else 0

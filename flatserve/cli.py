@@ -1,6 +1,6 @@
 """The `flatserve` command: `serve` (engines + API server), `engine` (one engine alone),
-`soak` (RSS soak test), `bench` (serving benchmark), `make-model` (the tiny default
-checkpoint)."""
+`keys` (CURVE keys for remote engines), `soak` (RSS soak test), `bench` (serving benchmark),
+`make-model` (the tiny default checkpoint)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from dataclasses import fields, replace
 
 from api_proc.config import ApiConfig
 from flatserve.launcher import ENGINE_FLAGS
+from flatserve.vllm_flags import add_vllm_flags
 from shared.config_args import add_dataclass_args
 from shared.engine_config import EngineConfig
 
@@ -32,13 +33,46 @@ def run_engine(args: argparse.Namespace) -> int:
     from engine_proc.main import main as engine_main
 
     names = [f.name for f in fields(EngineConfig)]
-    config = EngineConfig(**{n: getattr(args, n) for n in names if n != "log_level"},
-                          log_level=args.log_level)
+    try:  # before the model loads: one line
+        config = EngineConfig(**{n: getattr(args, n) for n in names if n != "log_level"},
+                              log_level=args.log_level)
+    except ValueError as e:
+        print(f"flatserve engine: {e}", file=sys.stderr)
+        return 2
     if not config.model:
         from shared.tiny_checkpoint import ensure_tiny_checkpoint
 
         config = replace(config, model=str(ensure_tiny_checkpoint()))
     return engine_main(["--config-json", config.to_json()])
+
+
+def write_keys(args: argparse.Namespace) -> int:
+    from rpc.curve import KeyFileError
+    from rpc.curve import write_keys as write
+
+    try:
+        written = write(args.dir, force=args.force)
+    except (KeyFileError, OSError) as e:
+        print(f"flatserve keys: {e}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    return 0
+
+
+KEYS_HELP = """writes a server and a client CURVE key pair (zmq's certificate files) into DIR:
+
+  server.key          the engine's public key        (the API host needs it)
+  server.key_secret   the engine's key pair, 0600     (the engine host only)
+  client.key          the API's public key
+  client.key_secret   the API's key pair, 0600        (the API host only)
+  authorized/         the API keys engines accept; holds a copy of client.key
+
+the engine: flatserve engine --address tcp://0.0.0.0:5555 --curve-key-dir DIR
+the API:    flatserve serve --engine-addresses tcp://HOST:5555 --curve-key-dir DIR
+another API server: its own pair (flatserve keys --dir DIR2, then copy DIR/server.key
+over DIR2/server.key), and DIR2/client.key copied into the engine's DIR/authorized/
+under any name ending in .key; engines read authorized/ when they start"""
 
 
 LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
@@ -56,6 +90,9 @@ def build_serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         "--no-enable-log-requests")
     parser.add_argument("--uvicorn-log-level", choices=[*LOG_LEVELS, "trace"],
                         help="log level of the HTTP server (default: --log-level)")
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true",
+                        help="no access log line per HTTP request")
+    add_vllm_flags(parser)
     return parser
 
 
@@ -78,6 +115,11 @@ def main(argv: list[str] | None = None) -> int:
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_engine_config_args(engine, [f.name for f in fields(EngineConfig) if f.name != "log_level"])
     engine.add_argument("--log-level", default="info")
+    keys = sub.add_parser("keys", help="write CURVE keys for engines on other hosts",
+                          description=KEYS_HELP,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    keys.add_argument("--dir", required=True, help="the key folder (created, mode 0700)")
+    keys.add_argument("--force", action="store_true", help="replace keys already there")
     from shared.tiny_checkpoint import PRESETS
 
     make = sub.add_parser("make-model", help="write a random-weight checkpoint and print its folder")
@@ -100,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         return serve(args)
     if args.command == "engine":
         return run_engine(args)
+    if args.command == "keys":
+        return write_keys(args)
     from shared.tiny_checkpoint import ensure_checkpoint, write_checkpoint
 
     preset = PRESETS[args.preset]

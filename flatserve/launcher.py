@@ -45,6 +45,7 @@ ENGINE_FLAGS = (
     "torch_threads",
     "engine_nice",
     "encoder_cache_bytes",
+    "seed",
 )
 DEFAULT_MAX_MODEL_LEN = 8192
 
@@ -218,7 +219,7 @@ def run_server(args: argparse.Namespace) -> int:
                     ", ".join(f"{k}={v}" for k, v in API_MALLOC_ENV.items()))
         uvicorn.run(app, host=config.host, port=config.port, loop="uvloop", http="httptools",
                     log_level=args.uvicorn_log_level or args.log_level,
-                    timeout_graceful_shutdown=5)
+                    access_log=not args.disable_uvicorn_access_log, timeout_graceful_shutdown=5)
         return 0
     except _Stop as stop:
         logger.info("stopped by %s", stop)

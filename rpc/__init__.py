@@ -2,6 +2,7 @@
 
     codec.py          the messages of shared/messages.py as frames, and back
     sockets.py        socket options and ipc:// addresses
+    curve.py          CURVE keys for tcp:// beyond loopback
     engine_server.py  the engine's end: a ROUTER on a thread of its own
 
 The API's end (one DEALER per engine, routing, per-request streams) is

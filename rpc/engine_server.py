@@ -15,6 +15,9 @@ process first gets every key held now. This is a hint only (ErrorCode.IMAGE_MISS
 Flow control: the engine holds at most `max_requests` requests. The API reads that capacity
 from the stats and never sends more; an AddRequest beyond it is refused here at once with
 ErrorCode.BUSY and its pixels dropped, so nothing queues in this process without bound.
+
+With `keys` the socket is a CURVE server on a zmq context of its own, whose ZAP handler
+admits only the authorized API keys: a refused peer's messages never reach this thread.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 import zmq
 
 from rpc.codec import DecodeError, decode, encode, peek_request_id
+from rpc.curve import ServerKeys, start_authenticator
 from rpc.sockets import make_socket
 from shared.messages import (
     AbortRequests,
@@ -77,8 +81,10 @@ class _KeyNews:
 
 
 class EngineServer:
-    def __init__(self, address: str, max_requests: int, *, peer_timeout_s: float = 3.0) -> None:
+    def __init__(self, address: str, max_requests: int, *, peer_timeout_s: float = 3.0,
+                 keys: ServerKeys | None = None) -> None:
         self.address = address
+        self.keys = keys
         self.max_requests = max_requests
         self.peer_timeout_s = peer_timeout_s
         self.stats: EngineStats | None = None  # published by the busy loop, read here
@@ -138,12 +144,16 @@ class EngineServer:
     # ---- the I/O thread ---------------------------------------------------------------
 
     def _run(self, ready: queue.SimpleQueue) -> None:
-        sock = make_socket(zmq.Context.instance(), zmq.ROUTER)
+        # ZAP is per context: a CURVE server gets one of its own and its own authenticator
+        ctx = zmq.Context.instance() if self.keys is None else zmq.Context()
+        auth = None if self.keys is None else start_authenticator(ctx, self.keys)
+        sock = make_socket(ctx, zmq.ROUTER, self.keys)
         try:
             sock.bind(self.address)
             self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as e:
             sock.close()
+            self._close_context(ctx, auth)
             ready.put(OSError(f"cannot bind {self.address}: {e}"))
             return
         ready.put(None)
@@ -164,9 +174,15 @@ class EngineServer:
             self._flush(sock)
         finally:
             sock.close(linger=200)
+            self._close_context(ctx, auth)
             if self.address.startswith("ipc://"):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.address[len("ipc://"):])
+
+    def _close_context(self, ctx: zmq.Context, auth: Any) -> None:
+        if self.keys is not None:  # the context is this server's own
+            auth.stop()
+            ctx.term()
 
     def _receive(self, sock: zmq.Socket) -> None:
         for _ in range(MAX_RECV_PER_WAKE):

@@ -1,7 +1,8 @@
 """zmq sockets and their addresses.
 
 ipc:// socket files live in a private directory (mode 0700, so other local users cannot
-connect) that is removed on close; tcp:// works as zmq spells it.
+connect) that is removed on close; tcp:// works as zmq spells it, with CURVE keys where given
+(rpc/curve.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import threading
 
 import zmq
 
+from rpc.curve import ClientKeys, ServerKeys, apply_keys
+
 # Messages queued per pipe and direction. One message is one engine step (or one request),
 # so this is far above any real depth; a ROUTER raises at the mark instead of dropping
 # (ROUTER_MANDATORY), and the sender decides.
@@ -23,8 +26,12 @@ RECONNECT_IVL_MS = 100
 MAX_IPC_PATH = 107  # sockaddr_un.sun_path holds 108 bytes including the terminating NUL
 
 
-def make_socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
+def make_socket(ctx: zmq.Context, kind: int,
+                keys: ServerKeys | ClientKeys | None = None) -> zmq.Socket:
+    """A socket with the project's options; `keys` make it a CURVE server or client."""
     sock = ctx.socket(kind)
+    if keys is not None:
+        apply_keys(sock, keys)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, HWM)
     sock.setsockopt(zmq.RCVHWM, HWM)

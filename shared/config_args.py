@@ -4,17 +4,35 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import typing
 from collections.abc import Iterable
 from typing import Any
 
 
-def opt(default: Any, help: str, *, parse: Any = None, choices: Any = None) -> Any:
+def opt(default: Any, help: str, *, parse: Any = None, choices: Any = None,
+        aliases: tuple[str, ...] = ()) -> Any:
     """A dataclass field with a default and the help text of its flag; `parse` turns the
     flag's text into the value (argparse `type`: raise argparse.ArgumentTypeError with the
-    reason), `choices` lists the values the flag takes."""
-    metadata = {"help": help, "parse": parse, "choices": choices}
+    reason), `choices` lists the values the flag takes, `aliases` are other spellings of
+    the flag (vLLM's names for the same setting)."""
+    metadata = {"help": help, "parse": parse, "choices": choices, "aliases": aliases}
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def parse_human_int(text: str) -> int:
+    """vLLM's readable integers: '4096', '32k' (x1000), '32K' (x1024), '1.5m', '2M'."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgG]?)", text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count (e.g. 4096, 32k, 32K)")
+    number, suffix = match.groups()
+    if suffix.isupper():
+        if "." in number:
+            raise argparse.ArgumentTypeError(f"{text!r}: binary suffixes take whole numbers")
+        return int(number) * 1024 ** " KMG".index(suffix)
+    if "." in number and not suffix:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
+    return int(float(number) * 1000 ** " kmg".index(suffix or " "))
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser | Any, cls: type,
@@ -37,7 +55,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser | Any, cls: type,
             kwargs["nargs"] = "*"
         else:
             kwargs["type"] = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
-        parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+        parser.add_argument("--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ()),
+                            **kwargs)
 
 
 def dataclass_from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:

@@ -7,7 +7,8 @@ import json
 import re
 from dataclasses import asdict, dataclass, fields
 
-from shared.config_args import opt
+from rpc.curve import FOLDER_HELP, check_plain_tcp, load_server_keys, uses_curve
+from shared.config_args import opt, parse_human_int
 
 # what --dtype takes (engine_proc/model_runner.py DTYPES maps them to torch dtypes)
 DTYPE_NAMES = ("auto", "float32", "float", "fp32", "bfloat16", "bf16", "float16", "half", "fp16")
@@ -23,6 +24,12 @@ def parse_device(text: str) -> str:
 class EngineConfig:
     model: str = opt("", "local checkpoint folder")
     address: str = opt("", "RPC address to bind (ipc://PATH or tcp://HOST:PORT)")
+    curve_key_dir: str = opt(
+        "", f"{FOLDER_HELP}; the engine reads server.key_secret and authorized/ and accepts "
+        "only those API keys")
+    insecure: bool = opt(
+        False, "allow a tcp:// address beyond loopback without --curve-key-dir "
+        "(unauthenticated, unencrypted)")
     rank: int = opt(0, "index of this engine among the server's engines")
     max_num_seqs: int = opt(64, "most sequences in one batch")
     max_num_batched_tokens: int = opt(8192, "token budget of one step (chunked prefill)")
@@ -33,12 +40,14 @@ class EngineConfig:
         0.05, "after a step that ran the vision tower, decode-only steps run until they took "
         "this share of its time, so running requests keep decoding through a burst of images "
         "(0: off)")
-    max_model_len: int = opt(0, "prompt + completion token limit (0: the model's own)")
+    max_model_len: int = opt(0, "prompt + completion token limit (0: the model's own)",
+                             parse=parse_human_int)
     block_size: int = opt(16, "tokens per KV cache block")
     enable_prefix_caching: bool = opt(
         True, "reuse the KV cache blocks of earlier requests with the same leading tokens "
         "and images")
-    num_kv_blocks: int = opt(0, "KV cache blocks (0: from --kv-cache-memory-bytes)")
+    num_kv_blocks: int = opt(0, "KV cache blocks (0: from --kv-cache-memory-bytes)",
+                             aliases=("--num-gpu-blocks-override",))
     gpu_memory_utilization: float | None = opt(
         None, "share of the GPU's total memory this engine may use, weights and activations "
         "included: the KV cache gets what is left of it after loading (vLLM's meaning; "
@@ -55,6 +64,8 @@ class EngineConfig:
     engine_nice: int = opt(
         -1, "niceness added to each engine process (-1: 10 when it computes on the CPU, so "
         "the API's event loop and image decoding preempt model math; 0 on a GPU)")
+    seed: int = opt(0, "random seed of each engine: sampling without a per-request seed "
+                       "repeats from one start to the next (vLLM's --seed)")
     log_level: str = opt("info", "log level")
     encoder_cache_bytes: int = opt(
         -1, "bytes of vision embeddings kept for images seen again (skips the vision tower "
@@ -69,7 +80,7 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes", "rank",
-                     "torch_threads"):
+                     "torch_threads", "seed"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
 
@@ -90,6 +101,13 @@ class EngineConfig:
                 raise ValueError(f"device: {e}") from None
         if not -1 <= self.engine_nice <= 19:
             raise ValueError(f"engine_nice must be -1 (auto) or 0-19, got {self.engine_nice}")
+        if self.curve_key_dir:
+            if not uses_curve(self.address):
+                raise ValueError(f"curve_key_dir: keys apply to tcp:// addresses, not "
+                                 f"{self.address!r}")
+            load_server_keys(self.curve_key_dir)  # fails here, before the model loads
+        else:
+            check_plain_tcp(self.address, self.insecure)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -95,3 +95,124 @@ def test_positional_model_and_several_served_names(tiny_model_path, tmp_path):
     twice = subprocess.run([sys.executable, "-m", "flatserve.cli", "serve", str(tiny_model_path),
                             "--model", str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert twice.returncode != 0 and "the model is given twice" in twice.stderr
+
+
+# ---- the review of vLLM's flags: aliases, no-op values, refusals by name -----------------
+
+
+def parse_error(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        build_serve_parser(argparse.ArgumentParser(prog="flatserve serve")).parse_args(list(argv))
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_a_representative_vllm_command_line_parses_and_validates(tiny_model_path):
+    from api_proc.config import ApiConfig
+    from flatserve.launcher import ENGINE_FLAGS
+    from shared.engine_config import EngineConfig
+
+    args = parse(str(tiny_model_path), "--host", "0.0.0.0", "--port", "8000",
+                 "--max-model-len", "4k", "--served-model-name", "x", "--disable-log-requests",
+                 "--trust-remote-code", "--enforce-eager", "--enable-chunked-prefill",
+                 "--max-num-seqs", "32", "--max-num-batched-tokens", "2048", "--block-size", "16",
+                 "--seed", "1", "--dtype", "auto", "--kv-cache-dtype", "auto",
+                 "--load-format", "safetensors", "--swap-space", "0", "-pp", "1", "-dp", "1",
+                 "--disable-fastapi-docs", "--disable-log-stats", "--root-path", "/llm",
+                 "--allowed-origins", '["https://ui.example"]', "--api-key", "k",
+                 "--limit-mm-per-prompt", '{"image": 4}', "--uvicorn-log-level", "warning",
+                 "--disable-uvicorn-access-log", "--num-gpu-blocks-override", "100",
+                 "--generation-config", "vllm", "--response-role", "assistant")
+    config = ApiConfig.from_cli_args(args, model=args.model_tag, served_model_name=("x",),
+                                     engine_addresses=("ipc:///tmp/e.sock",))
+    assert config.max_model_len == 4000 and config.host == "0.0.0.0"
+    assert config.root_path == "/llm" and config.allowed_origins == ("https://ui.example",)
+    assert config.enable_log_requests is False and config.limit_mm_per_prompt == 4
+    engine = EngineConfig(model=args.model_tag, **{n: getattr(args, n) for n in ENGINE_FLAGS})
+    assert engine.seed == 1 and engine.num_kv_blocks == 100 and engine.max_num_seqs == 32
+    assert args.disable_uvicorn_access_log
+    assert parse("--max-model-len", "32K").max_model_len == 32768
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--quantization", "awq"], "--quantization awq cannot apply here: weights run unquantized"),
+    (["-q", "fp8"], "-q fp8 cannot apply here"),
+    (["--swap-space", "4"], "--swap-space 4 cannot apply here: preemption recomputes: there "
+                            "is no CPU swap space (accepted: 0)"),
+    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 cannot apply here"),
+    (["--no-enable-chunked-prefill"], "chunked prefill is always on"),
+    (["--no-enforce-eager"], "engines always run eagerly"),
+    (["-pp", "2"], "-pp 2 cannot apply here: no pipeline parallelism"),
+    (["--data-parallel-size", "2"], "replicas are --engines N"),
+    (["--revision", "main"], "no hub downloads"),
+    (["--download-dir", "/x"], "no hub downloads"),
+    (["--hf-token"], "--hf-token cannot apply here: flatserve serves local checkpoint"),
+    (["--tokenizer", "/x"], "the tokenizer is the model folder's own"),
+    (["--mm-processor-kwargs", '{"max_pixels": 1000}'], "preprocessor_config.json"),
+    (["--max-num-partial-prefills", "2"], "bounded by the step's token budget"),
+    (["--return-tokens-as-token-ids"], "log-probability tokens are always text"),
+    (["--enable-lora"], "no LoRA adapters"),
+    (["--speculative-config", "{}"], "no speculative decoding"),
+    (["--ssl-keyfile", "k.pem"], "no TLS in flatserve"),
+    (["--response-role", "bot"], "responses carry the role assistant"),
+    (["--max-model-len", "1.5K"], "binary suffixes take whole numbers"),
+    (["--allowed-origins", "[1]"], "not a JSON list of strings"),
+])
+def test_flags_that_cannot_apply_are_refused_by_name(capsys, argv, says):
+    line = parse_error(capsys, *argv)
+    assert line.startswith("flatserve serve: error: ") and says in line
+
+
+def test_a_refusal_comes_before_any_process_starts():
+    done = subprocess.run([sys.executable, "-m", "flatserve.cli", "serve", "/models/x",
+                           "--quantization", "awq"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        "flatserve serve: error: --quantization awq cannot apply here: weights run "
+        "unquantized, in --dtype")
+
+
+def test_help_lists_the_vllm_flags_with_their_reasons():
+    done = subprocess.run([sys.executable, "-m", "flatserve.cli", "serve", "--help"],
+                          capture_output=True, text=True, timeout=60)
+    text = " ".join(done.stdout.split())
+    assert "--swap-space VALUE preemption recomputes: there is no CPU swap space (accepted: 0)" \
+        in text
+    assert "--quantization [VALUE], -q [VALUE] weights run unquantized, in --dtype (refused)" \
+        in text
+    assert "--num-kv-blocks NUM_KV_BLOCKS, --num-gpu-blocks-override NUM_KV_BLOCKS" in text
+    assert "--seed SEED" in text and "(default: 0)" in text
+
+
+def test_cors_and_root_path(start_app):
+    plain = start_app()
+    assert httpx.get(plain.url + "/v1/models").status_code == 200
+    preflight = {"Origin": "https://ui.example", "Access-Control-Request-Method": "POST"}
+    refused = httpx.options(plain.url + "/v1/chat/completions", headers=preflight)
+    assert "access-control-allow-origin" not in refused.headers  # no CORS unless asked
+    app = start_app(allowed_origins=("https://ui.example",), root_path="/llm")
+    allowed = httpx.options(app.url + "/v1/chat/completions", headers=preflight)
+    assert allowed.status_code == 200
+    assert allowed.headers["access-control-allow-origin"] == "https://ui.example"
+    other = httpx.options(app.url + "/v1/chat/completions",
+                          headers=preflight | {"Origin": "https://evil.example"})
+    assert "access-control-allow-origin" not in other.headers
+    for path in ("/llm/v1/models", "/v1/models"):  # behind a proxy that keeps or strips it
+        assert httpx.get(app.url + path).status_code == 200, path
+
+
+@pytest.mark.slow
+def test_seed_repeats_unseeded_sampling(tiny_model_path, tmp_path):
+    ask = {"messages": [{"role": "user", "content": "a story"}], "max_tokens": 8,
+           "temperature": 1.0}
+    texts = []
+    for seed in ("5", "5", "6"):
+        server = ServerProcess(str(tiny_model_path), "--seed", seed,
+                               log_path=tmp_path / f"server{len(texts)}.log")
+        try:
+            server.wait_ready()
+            reply = httpx.post(server.url + "/v1/chat/completions", timeout=60, json=ask)
+            texts.append(reply.json()["choices"][0]["message"]["content"])
+        finally:
+            server.stop()
+    assert texts[0] == texts[1] != texts[2]
