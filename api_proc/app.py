@@ -75,7 +75,7 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
     the defaults (tests)."""
     model_config = load_model_config(config.model)
     builder = PromptBuilder(config.model, model_config, config.max_model_len, config.chat_template)
-    loader = media_loader or MediaLoader(config, model_config.image)
+    loader = media_loader or MediaLoader(config, config.image_config(model_config.image))
     admission = AdmissionController(config.mm_inflight_budget, config.admission_timeout_s)
     engines = engine_client or EngineClient.connect(config.engine_addresses, engine_processes,
                                                     keys=config.client_keys())

@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rpc.curve import FOLDER_HELP, ClientKeys, check_plain_tcp, load_client_keys
 from shared.config_args import add_dataclass_args, dataclass_from_args, opt, parse_human_int
+from shared.model_config import ImageProcessorConfig, load_model_config
 from shared.sampling_params import MAX_LOGPROBS
 
 MiB = 1 << 20
@@ -55,6 +56,40 @@ def parse_mm_limit(text: str) -> int:
     return count
 
 
+IMAGE_SIZE_KWARGS = ("min_pixels", "max_pixels")
+
+
+def parse_mm_processor_kwargs(text: str) -> tuple[tuple[str, int], ...]:
+    """--mm-processor-kwargs: vLLM's JSON object of image processor settings. Qwen-VL's
+    resize bounds are what apply here: '{"min_pixels": N, "max_pixels": M}', or the newer
+    processors' '{"size": {"shortest_edge": N, "longest_edge": M}}' (the same two pixel
+    counts); anything else is refused by name."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
+    size = value.pop("size", None)
+    if size is not None:
+        if not isinstance(size, dict) or set(size) - {"shortest_edge", "longest_edge"}:
+            raise argparse.ArgumentTypeError(
+                "size takes shortest_edge and longest_edge (the min and max pixel counts)")
+        for key, name in (("shortest_edge", "min_pixels"), ("longest_edge", "max_pixels")):
+            if key in size:
+                if name in value:
+                    raise argparse.ArgumentTypeError(f"{name} is given twice (and as size.{key})")
+                value[name] = size[key]
+    for key, count in value.items():
+        if key not in IMAGE_SIZE_KWARGS:
+            raise argparse.ArgumentTypeError(
+                f"unknown processor setting {key!r}: flatserve takes images only, sized by "
+                f"{', '.join(IMAGE_SIZE_KWARGS)}")
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise argparse.ArgumentTypeError(f"{key} must be a positive pixel count, got {count!r}")
+    return tuple(sorted(value.items()))
+
+
 @dataclass(frozen=True)
 class ApiConfig:
     model: str = opt("", "local checkpoint folder (tokenizer, chat template, preprocessor)")
@@ -77,6 +112,11 @@ class ApiConfig:
                                 "model's own, at most 8192)", parse=parse_human_int)
     limit_mm_per_prompt: int = opt(8, "most images in one request: N, or vLLM's JSON form "
                                       "'{\"image\": N}'", parse=parse_mm_limit)
+    mm_processor_kwargs: tuple[tuple[str, int], ...] = opt(
+        (), "image resize bounds over the model's preprocessor_config.json, vLLM's JSON form: "
+        "'{\"min_pixels\": N, \"max_pixels\": M}' (or '{\"size\": {\"shortest_edge\": N, "
+        "\"longest_edge\": M}}'): every image is resized to between N and M pixels",
+        parse=parse_mm_processor_kwargs)
     max_image_pixels: int = opt(40_000_000, "most pixels an image header may declare")
     max_image_bytes: int = opt(20 * MiB, "most encoded bytes per image")
     max_body_bytes: int = opt(200 * MiB, "most bytes in one HTTP request body")
@@ -183,6 +223,20 @@ class ApiConfig:
             if self.curve_key_dir is None:
                 check_plain_tcp(addr, self.insecure)
         self.client_keys()  # a missing or unreadable key fails here, before any process starts
+        object.__setattr__(self, "mm_processor_kwargs", tuple(self.mm_processor_kwargs))
+        if self.mm_processor_kwargs and self.model:
+            self.image_config(load_model_config(self.model).image)
+
+    def image_config(self, model_image: ImageProcessorConfig) -> ImageProcessorConfig:
+        """The model's image processor settings with --mm-processor-kwargs over them."""
+        cfg = replace(model_image, **dict(self.mm_processor_kwargs))
+        if cfg.min_pixels > cfg.max_pixels:
+            raise ValueError(f"mm_processor_kwargs: min_pixels {cfg.min_pixels} is above "
+                             f"max_pixels {cfg.max_pixels}")
+        if cfg.max_pixels < cfg.factor ** 2:
+            raise ValueError(f"mm_processor_kwargs: max_pixels {cfg.max_pixels} is below one "
+                             f"merged patch ({cfg.factor}x{cfg.factor} pixels)")
+        return cfg
 
     def client_keys(self) -> ClientKeys | None:
         """The CURVE keys of connections to tcp:// engines."""

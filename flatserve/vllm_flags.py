@@ -82,9 +82,6 @@ FLAGS = (
     VllmFlag(("--max-num-partial-prefills", "--max-long-partial-prefills",
               "--long-prefill-token-threshold"),
              "prefills are bounded by the step's token budget (--max-num-batched-tokens) alone"),
-    VllmFlag(("--mm-processor-kwargs",),
-             "image sizes follow the model folder's preprocessor_config.json (min_pixels, "
-             "max_pixels); --max-image-pixels bounds what a request may send"),
     VllmFlag(("--return-tokens-as-token-ids",), "log-probability tokens are always text",
              False),
     VllmFlag(("--enable-lora",), NO_LORA, False),

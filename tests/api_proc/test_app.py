@@ -112,6 +112,15 @@ def test_chat_stream_with_usage(server):
     assert len({c.id for c in chunks}) == 1
 
 
+def test_mm_processor_kwargs_bound_the_resize(start_app, engine_double):
+    # vLLM's --mm-processor-kwargs: at most 56x56 pixels (the tiny model's factor is 28)
+    bounded = start_app(engine_double, mm_processor_kwargs=(("max_pixels", 56 * 56),))
+    r = chat(bounded, image_content(encode_image(200, 100)))
+    assert r.status_code == 200, r.text
+    seen = [q for q in engine_double.log()["requests"] if q["id"].startswith(r.json()["id"])][0]
+    assert seen["shapes"] == [[28, 56, 3]] and seen["grids"] == [[1, 2, 4]]
+
+
 def test_chat_with_images_expands_placeholders(server, engine_double):
     r = chat(server, image_content(encode_image(200, 100), encode_image(64, 64)))
     assert r.status_code == 200, r.text

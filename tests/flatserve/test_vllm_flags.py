@@ -30,12 +30,32 @@ def test_vllm_forms_parse():
     assert parse("--limit-mm-per-prompt", '{"image": 3, "video": 0}').limit_mm_per_prompt == 3
 
 
+def test_mm_processor_kwargs_forms(tiny_model_path):
+    from api_proc.config import ApiConfig
+
+    both = (("max_pixels", 200704), ("min_pixels", 3136))
+    assert parse("--mm-processor-kwargs",
+                 '{"min_pixels": 3136, "max_pixels": 200704}').mm_processor_kwargs == both
+    assert parse("--mm-processor-kwargs", '{"size": {"shortest_edge": 3136, '
+                 '"longest_edge": 200704}}').mm_processor_kwargs == both
+    config = ApiConfig(model=str(tiny_model_path), mm_processor_kwargs=both)
+    from shared.model_config import load_model_config
+    image = config.image_config(load_model_config(tiny_model_path).image)
+    assert (image.min_pixels, image.max_pixels) == (3136, 200704)
+    with pytest.raises(ValueError, match="min_pixels 3136 is above max_pixels 1000"):
+        ApiConfig(model=str(tiny_model_path), mm_processor_kwargs=(("max_pixels", 1000),
+                                                                    ("min_pixels", 3136)))
+
+
 @pytest.mark.parametrize("flag, value, says", [
     ("--dtype", "fp64", "invalid choice: 'fp64'"),
     ("--device", "gpu", "is not a device"),
     ("--limit-mm-per-prompt", '{"video": 1}', "only images are supported"),
     ("--limit-mm-per-prompt", '{"sound": 1}', "unknown modality 'sound'"),
     ("--limit-mm-per-prompt", "many", "neither a count nor a JSON object"),
+    ("--mm-processor-kwargs", '{"fps": 2}', "unknown processor setting 'fps'"),
+    ("--mm-processor-kwargs", '{"max_pixels": -1}', "max_pixels must be a positive pixel count"),
+    ("--mm-processor-kwargs", "[1]", "is not a JSON object"),
 ])
 def test_bad_values_fail_in_one_line_before_any_process(flag, value, says):
     done = subprocess.run([sys.executable, "-m", "flatserve.cli", "serve", flag, value],
@@ -148,7 +168,6 @@ def test_a_representative_vllm_command_line_parses_and_validates(tiny_model_path
     (["--download-dir", "/x"], "no hub downloads"),
     (["--hf-token"], "--hf-token cannot apply here: flatserve serves local checkpoint"),
     (["--tokenizer", "/x"], "the tokenizer is the model folder's own"),
-    (["--mm-processor-kwargs", '{"max_pixels": 1000}'], "preprocessor_config.json"),
     (["--max-num-partial-prefills", "2"], "bounded by the step's token budget"),
     (["--return-tokens-as-token-ids"], "log-probability tokens are always text"),
     (["--enable-lora"], "no LoRA adapters"),
