@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import ssl
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -112,6 +113,14 @@ class ApiConfig:
                                 "model's own, at most 8192)", parse=parse_human_int)
     limit_mm_per_prompt: int = opt(8, "most images in one request: N, or vLLM's JSON form "
                                       "'{\"image\": N}'", parse=parse_mm_limit)
+    ssl_keyfile: str | None = opt(None, "TLS: the server's private key file (PEM)")
+    ssl_certfile: str | None = opt(None, "TLS: the server's certificate chain file (PEM); with "
+                                         "--ssl-keyfile the API serves https://")
+    ssl_ca_certs: str | None = opt(None, "TLS: CA certificates that client certificates must "
+                                         "chain to (with --ssl-cert-reqs)")
+    ssl_cert_reqs: int = opt(0, "TLS: client certificates: 0 not asked for, 1 optional, 2 "
+                                "required (Python's ssl.CERT_* values, as vLLM)",
+                             choices=(0, 1, 2))
     mm_processor_kwargs: tuple[tuple[str, int], ...] = opt(
         (), "image resize bounds over the model's preprocessor_config.json, vLLM's JSON form: "
         "'{\"min_pixels\": N, \"max_pixels\": M}' (or '{\"size\": {\"shortest_edge\": N, "
@@ -223,9 +232,34 @@ class ApiConfig:
             if self.curve_key_dir is None:
                 check_plain_tcp(addr, self.insecure)
         self.client_keys()  # a missing or unreadable key fails here, before any process starts
+        self.ssl_context()  # unreadable or mismatched TLS files fail here too
         object.__setattr__(self, "mm_processor_kwargs", tuple(self.mm_processor_kwargs))
         if self.mm_processor_kwargs and self.model:
             self.image_config(load_model_config(self.model).image)
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The TLS settings loaded as uvicorn will load them, or None for plain HTTP."""
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("ssl_keyfile and ssl_certfile go together")
+        if self.ssl_certfile is None:
+            if self.ssl_ca_certs is not None or self.ssl_cert_reqs:
+                raise ValueError("ssl_ca_certs and ssl_cert_reqs need ssl_keyfile and "
+                                 "ssl_certfile")
+            return None
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            context.load_cert_chain(self.ssl_certfile, self.ssl_keyfile)
+            if self.ssl_ca_certs is not None:
+                context.load_verify_locations(self.ssl_ca_certs)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"TLS files cannot be loaded: {exc}") from None
+        if self.ssl_cert_reqs and self.ssl_ca_certs is None:
+            raise ValueError("ssl_cert_reqs needs ssl_ca_certs (what client certificates chain to)")
+        return context
+
+    @property
+    def scheme(self) -> str:
+        return "http" if self.ssl_certfile is None else "https"
 
     def image_config(self, model_image: ImageProcessorConfig) -> ImageProcessorConfig:
         """The model's image processor settings with --mm-processor-kwargs over them."""

@@ -214,10 +214,12 @@ def run_server(args: argparse.Namespace) -> int:
             logger.error("%s", exc)
             return 1
         app = build_app(config, engine_processes=[h.process for h in handles])
-        logger.info("serving %s on http://%s:%d (glibc: %s)", ", ".join(served_names),
-                    config.host, config.port,
+        logger.info("serving %s on %s://%s:%d (glibc: %s)", ", ".join(served_names),
+                    config.scheme, config.host, config.port,
                     ", ".join(f"{k}={v}" for k, v in API_MALLOC_ENV.items()))
         uvicorn.run(app, host=config.host, port=config.port, loop="uvloop", http="httptools",
+                    ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,
+                    ssl_ca_certs=config.ssl_ca_certs, ssl_cert_reqs=config.ssl_cert_reqs,
                     log_level=args.uvicorn_log_level or args.log_level,
                     access_log=not args.disable_uvicorn_access_log, timeout_graceful_shutdown=5)
         return 0

@@ -94,8 +94,6 @@ FLAGS = (
              "engines are flatserve's own processes (--engines)"),
     VllmFlag(("--kv-transfer-config",), "no KV transfer between engines"),
     VllmFlag(("--enable-sleep-mode",), "no sleep mode", False),
-    VllmFlag(("--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs", "--ssl-cert-reqs"),
-             "no TLS in flatserve: put a TLS-terminating proxy in front"),
     VllmFlag(("--uds",), "flatserve listens on --host and --port"),
     VllmFlag(("--middleware",), "no ASGI middleware is loaded by import path"),
     VllmFlag(("--config",), "no YAML config file: pass the flags"),

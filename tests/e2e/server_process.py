@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -25,9 +26,12 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(self, *flags: str, module: str = "flatserve.cli", log_path: Path | None = None,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, tls_ca: ssl.SSLContext | None = None):
+        """tls_ca: the server serves https (its --ssl-* flags among `flags`) with a
+        certificate this context verifies."""
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.verify = tls_ca or True
+        self.url = f"{'https' if tls_ca else 'http'}://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "wb") if log_path else subprocess.DEVNULL
         command = [sys.executable, "-m", module, "serve", "--port", str(self.port),
@@ -46,7 +50,8 @@ class ServerProcess:
             if self.process.poll() is not None:
                 raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log_tail()}")
             try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=1.0,
+                             verify=self.verify).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass

@@ -5,6 +5,8 @@ the launcher, in one line, before any process starts."""
 from __future__ import annotations
 
 import argparse
+import shutil
+import ssl
 import subprocess
 import sys
 
@@ -172,7 +174,6 @@ def test_a_representative_vllm_command_line_parses_and_validates(tiny_model_path
     (["--return-tokens-as-token-ids"], "log-probability tokens are always text"),
     (["--enable-lora"], "no LoRA adapters"),
     (["--speculative-config", "{}"], "no speculative decoding"),
-    (["--ssl-keyfile", "k.pem"], "no TLS in flatserve"),
     (["--response-role", "bot"], "responses carry the role assistant"),
     (["--max-model-len", "1.5K"], "binary suffixes take whole numbers"),
     (["--allowed-origins", "[1]"], "not a JSON list of strings"),
@@ -235,3 +236,41 @@ def test_seed_repeats_unseeded_sampling(tiny_model_path, tmp_path):
         finally:
             server.stop()
     assert texts[0] == texts[1] != texts[2]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_tls_serves_https_with_the_given_certificate(tiny_model_path, tmp_path):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    trusted = ssl.create_default_context(cafile=str(cert))
+    server = ServerProcess(str(tiny_model_path), "--ssl-keyfile", str(key), "--ssl-certfile",
+                           str(cert), tls_ca=trusted, log_path=tmp_path / "server.log")
+    try:
+        server.wait_ready()
+        reply = httpx.post(server.url + "/v1/chat/completions", timeout=60, verify=trusted,
+                           json={"messages": [{"role": "user", "content": "hi"}],
+                                 "max_tokens": 2})
+        assert reply.status_code == 200
+        with pytest.raises(httpx.ConnectError):  # an unknown certificate is refused
+            httpx.get(server.url + "/health", timeout=10)
+        plain = server.url.replace("https://", "http://")
+        with pytest.raises(httpx.HTTPError):  # no plain HTTP on the TLS port
+            httpx.get(plain + "/health", timeout=10)
+    finally:
+        server.stop()
+    assert f"on https://127.0.0.1:{server.port}" in server.log_tail(20000)
+
+
+def test_tls_files_are_checked_before_any_process_starts(tmp_path):
+    (tmp_path / "key.pem").write_text("not a key")
+    done = subprocess.run([sys.executable, "-m", "flatserve.cli", "serve", "--ssl-keyfile",
+                           str(tmp_path / "key.pem"), "--ssl-certfile", str(tmp_path / "key.pem")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "TLS files cannot be loaded" in done.stderr.strip().splitlines()[-1]
+    alone = subprocess.run([sys.executable, "-m", "flatserve.cli", "serve", "--ssl-keyfile",
+                            str(tmp_path / "key.pem")], capture_output=True, text=True, timeout=120)
+    assert alone.returncode == 2 and "go together" in alone.stderr.strip().splitlines()[-1]
