@@ -42,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
+    elif (config.tensor_parallel_size > 1 and resolve_device(config.device).type == "cpu"
+          and "OMP_NUM_THREADS" not in os.environ):
+        # the ranks share the cores (each worker takes as many threads as this rank)
+        torch.set_num_threads(max(1, torch.get_num_threads() // config.tensor_parallel_size))
     nice = config.engine_nice
     if nice < 0:
         nice = CPU_ENGINE_NICE if resolve_device(config.device).type == "cpu" else 0
@@ -53,8 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     process = EngineProcess(config)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: process.stop())
-    process.run()
-    return 0
+    return process.run()
 
 
 if __name__ == "__main__":

@@ -51,6 +51,11 @@ class EngineConfig:
     engine_nice: int = opt(
         -1, "niceness added to each engine process (-1: 10 when it computes on the CPU, so "
         "the API's event loop and image decoding preempt model math; 0 on a GPU)")
+    tensor_parallel_size: int = opt(
+        1, "processes (ranks) each engine's decoder is split over, one device each (vLLM's "
+        "flag): attention heads, MLP rows and the vocabulary are split, the vision tower runs "
+        "whole on the first rank. On a CPU the ranks share its cores: with few cores it is "
+        "not faster than 1 (see README)")
     log_level: str = opt("info", "log level")
     encoder_cache_bytes: int = opt(
         -1, "bytes of vision embeddings kept for images seen again (skips the vision tower "
@@ -61,7 +66,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_num_encoder_patches",
-                     "block_size", "max_waiting"):
+                     "block_size", "max_waiting", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes", "rank",

@@ -284,3 +284,18 @@ def load_model_config(path: str | Path) -> ModelConfig:
         eos_token_ids=_eos_ids(path, cfg, text),
         torch_dtype=str(dtype),
     )
+
+
+def tensor_parallel_problem(config: ModelConfig, size: int) -> str | None:
+    """Why `config`'s decoder cannot be split over `size` ranks, or None when it can: the
+    attention heads (query and key/value) and the MLP's intermediate rows split evenly."""
+    if size == 1:
+        return None
+    text = config.text
+    if text.num_experts:
+        return "tensor parallelism does not split MoE experts (yet): use --engines instead"
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(text, name)
+        if value % size:
+            return f"the model's {name} ({value}) is not divisible by the tensor-parallel size {size}"
+    return None
