@@ -133,7 +133,7 @@ class LLMEngine:
             dtype=config.dtype,
             encoder_cache_bytes=config.encoder_cache_bytes,
             tensor_parallel_size=config.tensor_parallel_size,
-            tp_label=f"engine {config.rank} ",
+            tp_label=f"engine {config.rank}",
         )
 
     def close(self) -> None:

@@ -79,7 +79,8 @@ class TensorParallelWorkers:
         self._lock = threading.Lock()
         device = torch.device(runner_kwargs["device"])
         store = dist.TCPStore(STORE_HOST, 0, size, is_master=True, wait_for_workers=False)
-        spec = {"size": size, "store_port": store.port, "label": label,
+        log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+        spec = {"size": size, "store_port": store.port, "label": label, "log_level": log_level,
                 "torch_threads": torch.get_num_threads(), "runner": runner_kwargs}
         self.processes = [self._spawn(rank, spec) for rank in range(1, size)]
         for rank, process in enumerate(self.processes, start=1):

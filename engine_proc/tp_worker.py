@@ -86,10 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec-json", required=True)
     args = parser.parse_args(argv)
     spec = json.loads(args.spec_json)
-    name = f"{spec['label']}tp{args.rank}"
-    logging.basicConfig(level=os.environ.get("FLATSERVE_TP_LOG_LEVEL", "INFO"),
+    label = spec["label"]  # "engine N" in a server
+    name = f"{label.replace(' ', '')} tp{args.rank}".strip()
+    logging.basicConfig(level=spec["log_level"],
                         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
-    set_process_title(f"flatserve: {spec['label']}tp rank {args.rank}")
+    set_process_title(f"flatserve: {label} tp rank {args.rank}".replace("  ", " "))
     die_with_parent()  # also stops a worker stuck in a collective when rank 0 dies
     apply_malloc_settings(ENGINE_MALLOC_ENV)
     bound_kernel_caches()
