@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 
 import numpy as np
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
     set_process_title(f"flatserve: {label} tp rank {args.rank}".replace("  ", " "))
     die_with_parent()  # also stops a worker stuck in a collective when rank 0 dies
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which stops us
     apply_malloc_settings(ENGINE_MALLOC_ENV)
     bound_kernel_caches()
 

@@ -23,6 +23,7 @@ from shared.model_config import load_model_config, tensor_parallel_problem
 from shared.tiny_checkpoint import TINY_QWEN3_VL, TINY_QWEN3_VL_MOE, ensure_checkpoint
 from tests.engine_proc.engine_factory import make_engine
 from tests.engine_proc.test_engine import make_request
+from tests.engine_proc.test_r3 import hand_over, image_request
 
 LOGIT_TOLERANCE = 1e-4
 
@@ -120,6 +121,28 @@ def test_a_worker_keeps_no_image_rows_after_its_step(tiny_model_path, no_garbage
     assert ref() is None, "the worker kept its step's image rows"
 
 
+def test_rank_zero_frees_pixels_and_embeddings_after_the_prefill(tiny_model_path, tiny_config,
+                                                                no_garbage_collector):
+    engine = make_engine(tiny_model_path, tensor_parallel_size=2, encoder_cache_bytes=0,
+                         max_num_batched_tokens=16)
+    try:
+        pixel_refs = hand_over(engine, image_request(tiny_config, "a", [(168, 224), (56, 84)]))
+        images = engine.seqs["a"].images
+        engine.step()  # tokens 0..15: encodes the first image
+        assert pixel_refs[0]() is None, "pixels outlived their encoding"
+        embeds_ref = weakref.ref(images[0].embeds)
+        for _ in range(3):  # up to token 63: the last chunk covering the first image
+            engine.step()
+        assert embeds_ref() is None, "embeddings outlived the chunk that consumed them"
+        while engine.seqs["a"].num_completion_tokens == 0:
+            engine.step()
+        assert all(ref() is None for ref in pixel_refs)
+        assert all(image.pixels is None and image.embeds is None for image in images)
+        assert engine.stats().mm_bytes_held == 0
+    finally:
+        engine.close()
+
+
 def _wire(inputs: StepInputs):
     header, payload = inputs.encode()
     header = np.frombuffer(bytes(header), dtype=np.int64)
@@ -168,3 +191,11 @@ def test_a_dead_worker_fails_the_engine_at_once(tiny_model_path, tiny_config):
 @pytest.fixture(scope="module")
 def tiny_config(tiny_model_path):
     return load_model_config(tiny_model_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_two_gpus_match_one(tiny_model_path):
+    """NCCL on cuda:0 and cuda:1 against one GPU (float32)."""
+    config = load_model_config(tiny_model_path)
+    assert_same_outputs(config, tiny_model_path, [TEXT, TWO_IMAGES], device="cuda")
