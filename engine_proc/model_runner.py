@@ -11,8 +11,10 @@ either beyond the call that uses it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -126,6 +128,13 @@ class ModelRunner:
             self.close()
             raise
         self.num_deepstack = len(config.vision.deepstack_visual_indexes)
+        # On a CPU the workers wait on their pipe while rank 0 runs the vision tower (before
+        # it sends them the step): rank 0 borrows their threads for it. Measured, three
+        # 1008px images with one thread per rank: 1.64 s against 2.58 s without (TP=1 on
+        # both cores: 1.43 s).
+        self.vision_threads = 0
+        if self.workers is not None and not self.on_cuda:
+            self.vision_threads = torch.get_num_threads() * tensor_parallel_size
         self.sampler = Sampler()
         self.structured = None  # StructuredOutputs, set by the engine
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
@@ -228,11 +237,13 @@ class ModelRunner:
         reaches its last token, in batch order, and when some of them asked for them, each
         one's log-probabilities (None for those that did not ask)."""
         if batch.encoder_stage is not None:
-            self._encode_stage(batch.encoder_stage)
+            with self._vision_threads():
+                self._encode_stage(batch.encoder_stage)
         if not batch.seqs:
             return [], None
         inputs, sample_seqs = self.prepare(batch)
-        pieces = self._image_rows(batch, inputs)  # vision work, on rank 0 only
+        with self._vision_threads():
+            pieces = self._image_rows(batch, inputs)  # vision work, on rank 0 only
         if self.workers is not None:
             logits = self.workers.forward(self.model, inputs, pieces, self._to_device)
         else:
@@ -407,6 +418,18 @@ class ModelRunner:
         return seq.generator
 
     # ---- images -----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _vision_threads(self) -> Iterator[None]:
+        if not self.vision_threads:
+            yield
+            return
+        threads = torch.get_num_threads()
+        torch.set_num_threads(self.vision_threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
 
     def _image_rows(self, batch: ScheduledBatch, inputs: StepInputs) -> ImagePieces:
         """Encode the images this step's chunks cover (those not encoded yet) and return
