@@ -27,7 +27,7 @@ from engine_proc.sampler import GrammarMask, Sampler, SamplingBatch
 from engine_proc.scheduler import ScheduledBatch
 from engine_proc.sequence import ImageSpan, Sequence
 from engine_proc.step_inputs import ImagePieces, StepInputs, forward
-from engine_proc.tensor_parallel import TensorParallelWorkers
+from engine_proc.tensor_parallel import TensorParallelWorkers, rank_device
 from shared.messages import TokenLogprobs
 from shared.model_config import ModelConfig, tensor_parallel_problem
 
@@ -107,6 +107,7 @@ class ModelRunner:
             problem = tensor_parallel_problem(config, tensor_parallel_size)
             if problem:
                 raise ValueError(problem)
+            self.device = rank_device(self.device, 0)  # "cuda" -> "cuda:0": ranks take the next
             self.workers = TensorParallelWorkers(tensor_parallel_size, dict(
                 model=str(config.path), block_size=block_size, num_kv_blocks=num_kv_blocks,
                 kv_cache_memory_bytes=kv_cache_memory_bytes,
