@@ -46,9 +46,7 @@ class Qwen3Attention(nn.Module):
 
 def _mlp(cfg: TextConfig, index: int, shard: Shard) -> nn.Module:
     if cfg.is_moe_layer(index):
-        if shard.size > 1:  # refused before any process starts (check_tensor_parallel)
-            raise ValueError("tensor parallelism does not split MoE experts")
-        return SparseMoeBlock(cfg)
+        return SparseMoeBlock(cfg, shard)
     return Qwen2MLP(cfg.hidden_size, cfg.intermediate_size, shard=shard)
 
 

@@ -1,6 +1,6 @@
 """Tensor parallelism on the CPU (gloo, real worker processes): TP=2 gives TP=1's greedy
 tokens with logits within 1e-4, for text and images (chunked prefill splitting an image
-over steps, DeepStack on Qwen3-VL); a worker keeps no image rows after its step (R3); a
+over steps, DeepStack on Qwen3-VL, MoE experts split); a worker keeps no image rows after its step (R3); a
 worker's death is the engine's death, noticed at once."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import os
 import signal
 import time
 import weakref
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -20,7 +21,12 @@ from engine_proc.step_inputs import StepInputs
 from engine_proc.tensor_parallel import TensorParallelBroken
 from engine_proc.tp_worker import run_step
 from shared.model_config import load_model_config, tensor_parallel_problem
-from shared.tiny_checkpoint import TINY_QWEN3_VL, TINY_QWEN3_VL_MOE, ensure_checkpoint
+from shared.tiny_checkpoint import (
+    TINY_QWEN3_VL,
+    TINY_QWEN3_VL_MOE,
+    ensure_checkpoint,
+    write_checkpoint,
+)
 from tests.engine_proc.engine_factory import make_engine
 from tests.engine_proc.test_engine import make_request
 from tests.engine_proc.test_r3 import hand_over, image_request
@@ -94,6 +100,15 @@ def test_deepstack_images_match_a_single_rank():
     assert_same_outputs(load_model_config(path), path, [TEXT, TWO_IMAGES])
 
 
+def test_experts_split_match_a_single_rank(tmp_path):
+    """Qwen3-VL-MoE with two key/value heads: every rank holds every expert's share of the
+    intermediate rows (the tiny MoE preset has one key/value head, which does not split)."""
+    preset = replace(TINY_QWEN3_VL_MOE, name="tiny-qwen3-vl-moe-kv2",
+                     text=replace(TINY_QWEN3_VL_MOE.text, num_key_value_heads=2))
+    path = write_checkpoint(tmp_path / "moe", preset)
+    assert_same_outputs(load_model_config(path), path, [TEXT, ONE_IMAGE])
+
+
 def test_a_worker_keeps_no_image_rows_after_its_step(tiny_model_path, no_garbage_collector):
     """run_step, the worker's whole step, on a one-rank runner: the step's image rows die
     when it returns (R3 on every rank)."""
@@ -155,8 +170,10 @@ def test_shapes_that_do_not_split_are_refused(tiny_model_path):
     assert tensor_parallel_problem(config, 2) is None
     assert "num_key_value_heads (2) is not divisible" in tensor_parallel_problem(config, 4)
     assert "num_attention_heads (8) is not divisible" in tensor_parallel_problem(config, 3)
-    moe = load_model_config(ensure_checkpoint(TINY_QWEN3_VL_MOE))
-    assert "MoE" in tensor_parallel_problem(moe, 2)
+    moe = load_model_config(ensure_checkpoint(TINY_QWEN3_VL_MOE))  # experts' rows: 48
+    assert "num_key_value_heads (1) is not divisible" in tensor_parallel_problem(moe, 2)
+    assert "moe_intermediate_size (48) is not divisible" in tensor_parallel_problem(
+        replace(moe, text=replace(moe.text, num_key_value_heads=32, num_attention_heads=32)), 32)
     with pytest.raises(ValueError, match="not divisible"):
         make_engine(tiny_model_path, tensor_parallel_size=3)
 
