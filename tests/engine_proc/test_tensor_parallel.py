@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 import weakref
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import torch
 
@@ -32,6 +36,7 @@ from tests.engine_proc.test_engine import make_request
 from tests.engine_proc.test_r3 import hand_over, image_request
 
 LOGIT_TOLERANCE = 1e-4
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -203,6 +208,28 @@ def test_a_dead_worker_fails_the_engine_at_once(tiny_model_path, tiny_config):
             engine.step()
     finally:
         engine.close()
+
+
+RANK_ZERO = """
+import sys, time
+from tests.engine_proc.engine_factory import make_engine
+engine = make_engine(sys.argv[1], tensor_parallel_size=2)
+print(engine.model_runner.workers.processes[0].pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_workers_exit_when_rank_zero_is_killed(tiny_model_path):
+    rank_zero = subprocess.Popen([sys.executable, "-c", RANK_ZERO, str(tiny_model_path)],
+                                 stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        worker = psutil.Process(int(rank_zero.stdout.readline()))
+        rank_zero.kill()
+        rank_zero.wait()
+        worker.wait(timeout=2.0)  # end of file on its pipe
+    finally:
+        rank_zero.kill()
+        rank_zero.wait()
 
 
 @pytest.fixture(scope="module")
