@@ -7,6 +7,9 @@ them is scheduled (every image of the step in one `encode_images` call); their p
 dropped right after encoding and their embeddings after the step whose chunk covered their
 last placeholder token (R3, see `Scheduler.postprocess`). Nothing here keeps a reference to
 either beyond the call that uses it.
+
+With tensor parallelism this runner is rank 0: it runs the vision tower and samples, and
+`TensorParallelWorkers` runs each step's forward on every rank (engine_proc/tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from engine_proc.models.registry import model_class
 from engine_proc.sampler import GrammarMask, Sampler, SamplingBatch
 from engine_proc.scheduler import ScheduledBatch
 from engine_proc.sequence import ImageSpan, Sequence
-from engine_proc.step_inputs import ImagePieces, StepInputs, forward
+from engine_proc.step_inputs import ImagePieces, StepInputs, forward_step
 from engine_proc.tensor_parallel import TensorParallelWorkers, rank_device
 from shared.messages import TokenLogprobs
 from shared.model_config import ModelConfig, tensor_parallel_problem
@@ -128,7 +131,6 @@ class ModelRunner:
         except BaseException:
             self.close()
             raise
-        self.num_deepstack = len(config.vision.deepstack_visual_indexes)
         # On a CPU the workers wait on their pipe while rank 0 runs the vision tower (before
         # it sends them the step): rank 0 borrows their threads for it. Measured, three
         # 1008px images with one thread per rank: 1.64 s against 2.58 s without (TP=1 on
@@ -248,7 +250,7 @@ class ModelRunner:
         if self.workers is not None:
             logits = self.workers.forward(self.model, inputs, pieces, self._to_device)
         else:
-            logits = forward(self.model, inputs, pieces, self._to_device)
+            logits = forward_step(self.model, inputs, pieces, self._to_device)
         del pieces
         if logits is None:
             return [], None

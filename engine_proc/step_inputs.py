@@ -106,7 +106,7 @@ def split_image_rows(inputs: StepInputs, values: torch.Tensor) -> ImagePieces:
 
 
 @torch.inference_mode()
-def forward(model: torch.nn.Module, inputs: StepInputs, pieces: ImagePieces,
+def forward_step(model: torch.nn.Module, inputs: StepInputs, pieces: ImagePieces,
             to_device: Callable[[np.ndarray], torch.Tensor]) -> torch.Tensor | None:
     """The decoder's forward over one step, on every rank alike: token embeddings with
     the image pieces' rows written over their placeholders, the layers, and the logits of

@@ -39,14 +39,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine_proc.distributed import (
-    all_reduce_min,
-    broadcast_from_first,
-    destroy_group,
-    init_group,
-    tp_shard,
-)
-from engine_proc.step_inputs import ImagePieces, StepInputs, exit_header, forward
+from engine_proc.distributed import broadcast_from_first, destroy_group, init_group, tp_shard
+from engine_proc.step_inputs import ImagePieces, StepInputs, exit_header, forward_step
 
 logger = logging.getLogger(__name__)
 
@@ -112,15 +106,11 @@ class TensorParallelWorkers:
                 raise TensorParallelBroken("tensor-parallel workers did not start in time")
             time.sleep(JOIN_POLL_S)
 
-    def agree_num_kv_blocks(self, num_blocks: int, device: torch.device) -> int:
-        """The KV blocks every rank can hold (each rank sized its own)."""
-        return all_reduce_min(num_blocks, tp_shard(), device)
-
     # ---- steps
 
     def forward(self, model: torch.nn.Module, inputs: StepInputs, pieces: ImagePieces,
                 to_device: Callable[[np.ndarray], torch.Tensor]) -> torch.Tensor | None:
-        """One step on every rank; the logits on this rank (see step_inputs.forward)."""
+        """One step on every rank; the logits on this rank (see step_inputs.forward_step)."""
         if self.failure is not None:
             raise TensorParallelBroken(self.failure)
         try:
@@ -132,7 +122,7 @@ class TensorParallelWorkers:
                 values = torch.cat([rows for _, rows in pieces]).to(model.dtype)
                 broadcast_from_first(values, tp_shard())
                 del values
-            return forward(model, inputs, pieces, to_device)
+            return forward_step(model, inputs, pieces, to_device)
         except Exception as exc:
             # after the workers took the inputs, a failure leaves the ranks out of step
             raise self._broken(f"a step failed part-way: {type(exc).__name__}: {exc}") from None

@@ -69,11 +69,11 @@ def receive_image_rows(runner, inputs):
 
 def run_step(runner, inputs, values) -> None:
     """One step's forward on this rank; `values`: the step's image rows or None."""
-    from engine_proc.step_inputs import forward, split_image_rows
+    from engine_proc.step_inputs import forward_step, split_image_rows
 
     pieces = [] if values is None else split_image_rows(inputs, values)
     del values
-    forward(runner.model, inputs, pieces, runner._to_device)
+    forward_step(runner.model, inputs, pieces, runner._to_device)
 
 
 def serve(runner, fd: int) -> None:
