@@ -2,17 +2,26 @@
 
 Each turn takes the commands that arrived (add, abort), runs one engine step and posts the
 step's outputs as one message (rpc/engine_server.py sends it).
+
+With tensor parallelism a worker rank's death is this engine's death: the loop ends at its
+next turn (or its step raises), fails every request it holds and the process exits
+non-zero, so the API answers 503 and /health reports it. Should the loop be stuck in a
+collective that waits on the dead rank (NCCL does), the process exits anyway after
+RANK_DEATH_EXIT_S.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 
 import psutil
 
 from engine_proc.llm_engine import ImageMissing, LLMEngine
 from engine_proc.scheduler import QueueFull, RequestRejected
+from engine_proc.tensor_parallel import TensorParallelBroken
 from rpc.curve import load_server_keys
 from rpc.engine_server import EngineServer
 from shared.engine_config import EngineConfig
@@ -22,6 +31,7 @@ from shared.messages import AbortRequests, AddRequest, ErrorCode, RequestOutput
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05
+RANK_DEATH_EXIT_S = 1.0
 
 
 class EngineProcess:
@@ -34,7 +44,11 @@ class EngineProcess:
         self._process = psutil.Process()
         self._rss_at, self._rss_bytes = -1.0, 0
 
-    def run(self) -> None:
+    def run(self) -> int:
+        """Serve until stopped (0) or until a tensor-parallel rank dies (1)."""
+        workers = self.engine.model_runner.workers
+        if workers is not None:
+            workers.on_failure = self._rank_died
         self.server.stats = self.engine.stats()
         self.server.start()
         logger.info("engine %d ready on %s", self.config.rank, self.server.address)
@@ -43,7 +57,10 @@ class EngineProcess:
             while not self.stopping:
                 outputs = self._apply(self.server.take_commands())
                 if self.engine.has_unfinished_requests():
-                    outputs.extend(self.engine.step())
+                    try:
+                        outputs.extend(self.engine.step())
+                    except TensorParallelBroken:
+                        break
                 elif not outputs:
                     self.server.wait_for_commands(IDLE_WAIT_S)
                 stats = self.server.stats = self.engine.stats()
@@ -54,12 +71,22 @@ class EngineProcess:
                 added, removed = self.engine.take_encoder_key_changes()
                 if outputs or added or removed:
                     self.server.send_step(outputs, added, removed)
-            self.server.send_step(self._fail_unfinished())
+            self.server.send_step(self._fail_unfinished(self.engine.failure))
         finally:
             self.server.stop()
+            self.engine.close()
+        return 1 if self.engine.failure else 0
 
     def stop(self) -> None:
         self.stopping = True
+
+    def _rank_died(self, reason: str) -> None:
+        """A worker rank's watcher thread: end the loop, and the process if the loop does
+        not end in time."""
+        self.stopping = True
+        timer = threading.Timer(RANK_DEATH_EXIT_S, os._exit, args=(1,))
+        timer.daemon = True
+        timer.start()
 
     def _rss(self) -> int:
         """This process's RSS, read at most once a second (a /proc read per step would
@@ -89,10 +116,11 @@ class EngineProcess:
                                              error_code=code))
         return refused
 
-    def _fail_unfinished(self) -> list[RequestOutput]:
+    def _fail_unfinished(self, failure: str | None = None) -> list[RequestOutput]:
+        error = f"the engine stopped: {failure}" if failure else "the engine is stopping"
         outputs = []
         for request_id in list(self.engine.seqs):
             self.engine.abort_request(request_id)
-            outputs.append(RequestOutput(request_id, [], "error", error="the engine is stopping",
+            outputs.append(RequestOutput(request_id, [], "error", error=error,
                                          error_code=ErrorCode.STOPPING))
         return outputs

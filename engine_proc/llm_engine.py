@@ -25,6 +25,7 @@ from engine_proc.models.mrope import compute_mrope_positions
 from engine_proc.scheduler import RequestRejected, ScheduledBatch, Scheduler
 from engine_proc.sequence import ImageSpan, Sequence
 from engine_proc.structured_output import StructuredOutputs
+from engine_proc.tensor_parallel import TensorParallelBroken
 from shared.engine_config import EngineConfig
 from shared.image_key import pixels_key
 from shared.messages import AddRequest, EngineStats, ErrorCode, ImageInput, RequestOutput
@@ -72,6 +73,8 @@ class LLMEngine:
         dtype: str | None = None,
         encoder_cache_bytes: int = EngineConfig.encoder_cache_bytes,
         decode_share: float = EngineConfig.decode_share,
+        tensor_parallel_size: int = EngineConfig.tensor_parallel_size,
+        tp_label: str = "",
     ):
         self.config: ModelConfig = load_model_config(model_path)
         self.max_model_len = min(
@@ -88,6 +91,8 @@ class LLMEngine:
             max_num_kv_blocks=max_num_seqs * -(-self.max_model_len // block_size),
             device=device,
             dtype=dtype,
+            tensor_parallel_size=tensor_parallel_size,
+            tp_label=tp_label,
         )
         if encoder_cache_bytes < 0:
             encoder_cache_bytes = self.model_runner.default_encoder_cache_bytes()
@@ -131,7 +136,19 @@ class LLMEngine:
             dtype=config.dtype,
             encoder_cache_bytes=config.encoder_cache_bytes,
             decode_share=config.decode_share,
+            tensor_parallel_size=config.tensor_parallel_size,
+            tp_label=f"engine {config.rank}",
         )
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any."""
+        self.model_runner.close()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine cannot run any more (a tensor-parallel rank died), or None."""
+        workers = self.model_runner.workers
+        return None if workers is None else workers.failure
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -181,6 +198,8 @@ class LLMEngine:
         started = time.perf_counter()
         try:
             token_ids, logprobs = self.model_runner.run(batch)
+        except TensorParallelBroken:
+            raise  # the engine's death: the caller fails every request
         except Exception as exc:  # fail this step's requests, keep serving the others
             token_ids = None
             error = f"{type(exc).__name__}: {exc}"

@@ -22,6 +22,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--engine-start-timeout", type=float, default=600.0,
                        help="seconds each engine may take to load and report ready")
     _add_engine_config_args(group, ENGINE_FLAGS)
+    _add_short_tp_flag(group)
+
+
+def _add_short_tp_flag(parser) -> None:
+    """vLLM's short form of --tensor-parallel-size."""
+    parser.add_argument("-tp", dest="tensor_parallel_size", type=int, default=argparse.SUPPRESS,
+                        help="same as --tensor-parallel-size")
 
 
 def _add_engine_config_args(parser, names) -> None:
@@ -114,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = sub.add_parser("engine", help="run one engine process serving RPC on --address",
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_engine_config_args(engine, [f.name for f in fields(EngineConfig) if f.name != "log_level"])
+    _add_short_tp_flag(engine)
     engine.add_argument("--log-level", default="info")
     keys = sub.add_parser("keys", help="write CURVE keys for engines on other hosts",
                           description=KEYS_HELP,

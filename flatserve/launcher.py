@@ -23,7 +23,7 @@ from shared.memory import (
     apply_malloc_settings,
     glibc_tuning_enabled,
 )
-from shared.model_config import load_model_config
+from shared.model_config import load_model_config, tensor_parallel_problem
 from shared.process import set_process_title
 
 logger = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ ENGINE_FLAGS = (
     "engine_nice",
     "encoder_cache_bytes",
     "seed",
+    "tensor_parallel_size",
 )
 DEFAULT_MAX_MODEL_LEN = 8192
 
@@ -153,6 +154,26 @@ def _on_gpu(device: str | None) -> bool:
     return torch.cuda.is_available()
 
 
+def _check_gpu_count(device: str | None, needed: int) -> None:
+    import torch
+
+    first = int(device.partition(":")[2] or 0) if device else 0
+    have = torch.cuda.device_count()
+    if first + needed > have:
+        raise SystemExit(f"flatserve serve: --engines x --tensor-parallel-size needs {needed} "
+                         f"GPUs from cuda:{first}; {have} are visible")
+
+
+def _engine_device(engine_kwargs: dict, rank: int, tp: int) -> dict:
+    """Engine `rank`'s settings: with tensor parallelism on GPUs each engine takes the next
+    `tp` devices (its rank 0 on the first, its workers on the ones after it)."""
+    device = engine_kwargs["device"]
+    if tp == 1 or not _on_gpu(device):
+        return engine_kwargs
+    first = int(device.partition(":")[2] or 0) if device else 0
+    return {**engine_kwargs, "device": f"cuda:{first + rank * tp}"}
+
+
 class _Stop(Exception):
     pass
 
@@ -172,9 +193,15 @@ def run_server(args: argparse.Namespace) -> int:
     # Unset, the context is the model's own capped at DEFAULT_MAX_MODEL_LEN: requests without
     # max_tokens get the rest of the context, and image requests reserve KV for all of it.
     try:
-        own = load_model_config(model).text.max_position_embeddings
+        model_config = load_model_config(model)
     except (OSError, ValueError, KeyError) as e:  # before any process starts: one line
         raise SystemExit(f"flatserve serve: {model}: {e}") from None
+    own = model_config.text.max_position_embeddings
+    tp = args.tensor_parallel_size
+    problem = ("it must be at least 1" if tp < 1
+               else tensor_parallel_problem(model_config, tp) if tp > 1 else None)
+    if problem:
+        raise SystemExit(f"flatserve serve: --tensor-parallel-size {tp}: {problem}")
     max_model_len = args.max_model_len or min(own, DEFAULT_MAX_MODEL_LEN)
     if args.gpu_memory_utilization is not None and not _on_gpu(args.device):
         raise SystemExit("flatserve serve: --gpu-memory-utilization applies to GPUs and the "
@@ -183,14 +210,18 @@ def run_server(args: argparse.Namespace) -> int:
     num_spawned = 0 if args.engine_addresses else args.engines
     if not args.engine_addresses and args.engines < 1:
         raise SystemExit("--engines must be at least 1")
+    if tp > 1 and num_spawned and _on_gpu(args.device):
+        _check_gpu_count(args.device, num_spawned * tp)
     ipc_dir = IpcDir(prefix="flatserve-")
     engine_kwargs = {name: getattr(args, name) for name in ENGINE_FLAGS}
-    if num_spawned > 1 and not engine_kwargs["torch_threads"] and "OMP_NUM_THREADS" not in os.environ:
-        # engines on one host share its cores instead of each taking all of them
-        engine_kwargs["torch_threads"] = max(1, len(os.sched_getaffinity(0)) // num_spawned)
+    num_processes = num_spawned * tp  # each engine is tp processes, started by its rank 0
+    if num_processes > 1 and not engine_kwargs["torch_threads"] and "OMP_NUM_THREADS" not in os.environ:
+        # engines (and their ranks) on one host share its cores instead of each taking all
+        engine_kwargs["torch_threads"] = max(1, len(os.sched_getaffinity(0)) // num_processes)
     configs = [
         EngineConfig(model=model, address=ipc_dir.address(f"engine{rank}"), rank=rank,
-                     max_model_len=max_model_len, log_level=args.log_level, **engine_kwargs)
+                     max_model_len=max_model_len, log_level=args.log_level,
+                     **_engine_device(engine_kwargs, rank, tp))
         for rank in range(num_spawned)
     ]
     addresses = tuple(args.engine_addresses) or tuple(c.address for c in configs)

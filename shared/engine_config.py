@@ -66,6 +66,11 @@ class EngineConfig:
         "the API's event loop and image decoding preempt model math; 0 on a GPU)")
     seed: int = opt(0, "random seed of each engine: sampling without a per-request seed "
                        "repeats from one start to the next (vLLM's --seed)")
+    tensor_parallel_size: int = opt(
+        1, "processes (ranks) each engine's decoder is split over, one device each (vLLM's "
+        "flag): attention heads, MLP rows and the vocabulary are split, the vision tower runs "
+        "whole on the first rank. On a CPU the ranks share its cores: with few cores it is "
+        "not faster than 1 (see README)")
     log_level: str = opt("info", "log level")
     encoder_cache_bytes: int = opt(
         -1, "bytes of vision embeddings kept for images seen again (skips the vision tower "
@@ -76,7 +81,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_num_encoder_patches",
-                     "block_size", "max_waiting"):
+                     "block_size", "max_waiting", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes", "rank",

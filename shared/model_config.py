@@ -284,3 +284,20 @@ def load_model_config(path: str | Path) -> ModelConfig:
         eos_token_ids=_eos_ids(path, cfg, text),
         torch_dtype=str(dtype),
     )
+
+
+def tensor_parallel_problem(config: ModelConfig, size: int) -> str | None:
+    """Why `config`'s decoder cannot be split over `size` ranks, or None when it can: the
+    attention heads (query and key/value) and the MLP's (and experts') intermediate rows
+    split evenly."""
+    if size == 1:
+        return None
+    text = config.text
+    names = ["num_attention_heads", "num_key_value_heads", "intermediate_size"]
+    if text.num_experts:
+        names.append("moe_intermediate_size")
+    for name in names:
+        value = getattr(text, name)
+        if value % size:
+            return f"the model's {name} ({value}) is not divisible by the tensor-parallel size {size}"
+    return None

@@ -1,7 +1,15 @@
-"""Linear layers whose weight is several checkpoint tensors stacked along the output axis.
+"""Linear layers of the decoder, whole or split over the ranks of a tensor-parallel group.
 
-q/k/v and gate/up projections run as one matmul; `load_shard` copies each checkpoint
-tensor into its rows, so checkpoints keep their per-projection names.
+`MergedLinear`: several checkpoint tensors stacked along the output axis, so q/k/v and
+gate/up projections run as one matmul; `load_shard` copies each checkpoint tensor into its
+rows, so checkpoints keep their per-projection names. Split (column parallel), each rank
+holds its part of every output: its heads of q, k and v, its rows of gate and up.
+
+`RowParallelLinear`: split along the input axis (o_proj, down_proj after a column-parallel
+layer); each rank's partial products are summed over the ranks.
+
+Split layers name the part of a checkpoint tensor they hold (`checkpoint_slice`), so the
+loader reads only that part from the file.
 
 `store_weights_transposed` re-lays out loaded Linear weights for CPU GEMMs.
 """
@@ -9,15 +17,30 @@ tensor into its rows, so checkpoints keep their per-projection names.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from engine_proc.distributed import REPLICATED, Shard, all_reduce
 
 
 class MergedLinear(nn.Linear):
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool) -> None:
-        super().__init__(in_features, sum(output_sizes), bias=bias)
-        self.offsets = [0]
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool,
+                 shard: Shard = REPLICATED) -> None:
+        parts = [size // shard.size for size in output_sizes]
         for size in output_sizes:
+            shard.split(size)  # refuses sizes the group does not divide
+        super().__init__(in_features, sum(parts), bias=bias)
+        self.shard = shard
+        self.offsets = [0]
+        for size in parts:
             self.offsets.append(self.offsets[-1] + size)
+
+    def checkpoint_slice(self, leaf: str, shard: int | None, shape: tuple[int, ...]):
+        """This rank's rows of checkpoint tensor `shard` (weight or bias), or None: all."""
+        if self.shard.size == 1:
+            return None
+        start, end = self.shard.split(shape[0])
+        return (slice(start, end),)
 
     def load_shard(self, param: torch.Tensor, loaded: torch.Tensor, shard: int) -> None:
         """Copy checkpoint tensor `loaded` (weight or bias of output `shard`) into `param`."""
@@ -27,6 +50,30 @@ class MergedLinear(nn.Linear):
                 f"shard {shard}: shape {tuple(loaded.shape)} does not fit rows {start}:{end}"
             )
         param.data[start:end].copy_(loaded)
+
+
+class RowParallelLinear(nn.Linear):
+    """y = x W^T + b with W's input columns split over the ranks: each rank multiplies its
+    part of x (the output of a column-parallel layer) and the products are summed over the
+    ranks; the bias is added once, after the sum."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool,
+                 shard: Shard = REPLICATED) -> None:
+        start, end = shard.split(in_features)
+        super().__init__(end - start, out_features, bias=bias)
+        self.shard = shard
+
+    def checkpoint_slice(self, leaf: str, shard: int | None, shape: tuple[int, ...]):
+        if self.shard.size == 1 or leaf != "weight":
+            return None
+        start, end = self.shard.split(shape[1])
+        return (slice(None), slice(start, end))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shard.size == 1:
+            return super().forward(x)
+        y = all_reduce(F.linear(x, self.weight), self.shard)
+        return y if self.bias is None else y + self.bias
 
 
 def store_weights_transposed(module: nn.Module) -> None:

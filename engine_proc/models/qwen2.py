@@ -1,4 +1,10 @@
-"""Qwen2 decoder with multimodal RoPE (the language model of Qwen2.5-VL)."""
+"""Qwen2 decoder with multimodal RoPE (the language model of Qwen2.5-VL).
+
+Under tensor parallelism (engine_proc/distributed.py) each rank holds its share of the
+attention heads (q/k/v column parallel, o_proj row parallel) and of the MLP's intermediate
+rows (gate/up column parallel, down_proj row parallel), and its part of the vocabulary;
+the layers sum the ranks' partial outputs themselves.
+"""
 
 from __future__ import annotations
 
@@ -6,24 +12,27 @@ import torch
 from torch import nn
 
 from engine_proc.context import get_context
+from engine_proc.distributed import REPLICATED, Shard, tp_shard
 from engine_proc.layers.activation import SiluAndMul
 from engine_proc.layers.attention import Attention, build_attention_metadata
-from engine_proc.layers.linear import MergedLinear
+from engine_proc.layers.linear import MergedLinear, RowParallelLinear
 from engine_proc.layers.rms_norm import RMSNorm
 from engine_proc.layers.rotary_embedding import MRotaryEmbedding, apply_rotary_
+from engine_proc.layers.vocab_parallel import VocabParallelEmbedding
 from shared.model_config import TextConfig
 
 
 class Qwen2Attention(nn.Module):
-    def __init__(self, cfg: TextConfig) -> None:
+    def __init__(self, cfg: TextConfig, shard: Shard = REPLICATED) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.num_heads = cfg.num_attention_heads // shard.size  # this rank's heads
+        self.num_kv_heads = cfg.num_key_value_heads // shard.size
         self.head_dim = cfg.head_dim
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=True)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        q_size = cfg.num_attention_heads * self.head_dim
+        kv_size = cfg.num_key_value_heads * self.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=True,
+                                     shard=shard)
+        self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, bias=False, shard=shard)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta) -> torch.Tensor:
@@ -35,10 +44,13 @@ class Qwen2Attention(nn.Module):
 
 
 class Qwen2MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 shard: Shard = REPLICATED) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias=bias,
+                                         shard=shard)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias,
+                                           shard=shard)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -52,8 +64,10 @@ class Qwen2DecoderLayer(nn.Module):
         self, cfg: TextConfig, self_attn: nn.Module | None = None, mlp: nn.Module | None = None
     ) -> None:
         super().__init__()
-        self.self_attn = self_attn if self_attn is not None else Qwen2Attention(cfg)
-        self.mlp = mlp if mlp is not None else Qwen2MLP(cfg.hidden_size, cfg.intermediate_size)
+        shard = tp_shard()
+        self.self_attn = self_attn if self_attn is not None else Qwen2Attention(cfg, shard)
+        self.mlp = mlp if mlp is not None else Qwen2MLP(cfg.hidden_size, cfg.intermediate_size,
+                                                        shard=shard)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -82,7 +96,7 @@ class Qwen2Model(nn.Module):
     def __init__(self, cfg: TextConfig, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__()
         self.hidden_size = cfg.hidden_size
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_shard())
         self.layers = nn.ModuleList(
             [self.make_layer(cfg, i) for i in range(cfg.num_hidden_layers)]
         )

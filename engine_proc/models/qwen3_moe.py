@@ -4,6 +4,10 @@ A softmax router picks each token's top-k experts; their weights are renormalize
 to one (norm_topk_prob). Expert weights are fused per layer, in transformers 5's layout:
 gate_up_proj [experts, 2 * inter, hidden], down_proj [experts, hidden, inter].
 
+Under tensor parallelism every rank holds every expert's share of the intermediate rows
+(gate/up column parallel, down row parallel) and routes alike (the router is whole); the
+ranks' weighted sums are summed over the ranks.
+
 Tokens are grouped by expert and every expert's rows go through one grouped GEMM
 (torch.nn.functional.grouped_mm) with no host sync: float32 on the CPU, bfloat16 on CUDA
 GPUs of compute capability 9.0 and up (torch's grouped kernels; on older GPUs grouped_mm
@@ -17,25 +21,40 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_proc.distributed import REPLICATED, Shard, all_reduce
 from shared.model_config import TextConfig
 
 
 class FusedExperts(nn.Module):
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 shard: Shard = REPLICATED) -> None:
         super().__init__()
         self.num_experts = num_experts
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.shard = shard
+        self.rows = shard.split(intermediate_size)  # this rank's intermediate rows
+        local = self.rows[1] - self.rows[0]
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * local, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, local))
 
     def load_tensor(self, key: str, param: torch.Tensor, tensor: torch.Tensor) -> None:
         """Published checkpoints store each expert's matrices transposed ([hidden, 2 * inter],
         [inter, hidden]); transformers 5 saves its own layout. A tensor that fits as it is
-        is taken as it is, as transformers does."""
-        if tensor.shape != param.shape:
+        is taken as it is, as transformers does. Split, a rank keeps its rows of gate and
+        of up, and the same columns of down."""
+        full = list(param.shape)
+        full[1 if param is self.gate_up_proj else 2] *= self.shard.size
+        if list(tensor.shape) != full:
             tensor = tensor.transpose(1, 2)
-        if tensor.shape != param.shape:
-            raise ValueError(f"{key}: shape {tuple(tensor.shape)} fits neither {tuple(param.shape)} "
+        if list(tensor.shape) != full:
+            raise ValueError(f"{key}: shape {tuple(tensor.shape)} fits neither {tuple(full)} "
                              "nor its per-expert transpose")
+        if self.shard.size > 1:
+            start, end = self.rows
+            if param is self.gate_up_proj:
+                gate, up = tensor.chunk(2, dim=1)
+                tensor = torch.cat([gate[:, start:end], up[:, start:end]], dim=1)
+            else:
+                tensor = tensor[:, :, start:end]
         param.copy_(tensor)
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -98,16 +117,18 @@ def can_group(x: torch.Tensor, intermediate_size: int) -> bool:
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, cfg: TextConfig) -> None:
+    def __init__(self, cfg: TextConfig, shard: Shard = REPLICATED) -> None:
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
         self.renormalize = cfg.norm_topk_prob
+        self.shard = shard
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = FusedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.experts = FusedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                                    shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return self.experts(x, experts, weights.to(x.dtype))
+        return all_reduce(self.experts(x, experts, weights.to(x.dtype)), self.shard)

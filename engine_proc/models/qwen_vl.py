@@ -13,7 +13,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from engine_proc.distributed import tp_shard
 from engine_proc.image_processor import pixels_to_patch_chunks
+from engine_proc.layers.vocab_parallel import ParallelLMHead
 from engine_proc.models.qwen2 import Qwen2Model
 from engine_proc.models.weight_loader import default_dtype, load_checkpoint
 from shared.model_config import ModelConfig
@@ -28,7 +30,10 @@ class QwenVLForConditionalGeneration(nn.Module):
     vision_class: type[nn.Module]  # set by each family
     decoder_class: type[nn.Module] = Qwen2Model
 
-    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                 vision: bool = True) -> None:
+        """vision=False leaves the vision tower out (tensor-parallel workers: the tower
+        runs on rank 0 only, see engine_proc/tensor_parallel.py)."""
         super().__init__()
         self.config = config
         self.device = torch.device(device)
@@ -41,9 +46,10 @@ class QwenVLForConditionalGeneration(nn.Module):
         )
         # Parameters are created uninitialized on the device: load_weights fills them.
         with default_dtype(dtype), torch.device("meta"):
-            self.visual = self.vision_class(config.vision, self.device, max_side)
+            if vision:
+                self.visual = self.vision_class(config.vision, self.device, max_side)
             self.model = self.decoder_class(text, self.device, dtype)
-            self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(text.hidden_size, text.vocab_size, tp_shard())
         self.to_empty(device=self.device)
         if text.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -51,7 +57,9 @@ class QwenVLForConditionalGeneration(nn.Module):
 
     def load_weights(self, path: str | Path) -> None:
         """Load the checkpoint in `path` by tensor name (see weight_loader)."""
-        load_checkpoint(self, path, tied=self.config.text.tie_word_embeddings)
+        skip = () if hasattr(self, "visual") else ("visual.",)
+        load_checkpoint(self, path, tied=self.config.text.tie_word_embeddings,
+                        skip_prefixes=skip)
 
     @torch.no_grad()
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -120,5 +128,6 @@ class QwenVLForConditionalGeneration(nn.Module):
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] in the model dtype."""
+        """hidden [N, hidden] -> logits [N, vocab] in the model dtype (tensor parallel:
+        on rank 0; None on the other ranks)."""
         return self.lm_head(hidden)

@@ -3,6 +3,8 @@
 Shared by every model class: checkpoint tensor names are mapped to this project's
 parameter names (prefix renames, q/k/v and gate/up shards merged into one layer), every
 tensor must find a place and every parameter must be filled, or loading fails by name.
+A layer split over tensor-parallel ranks names the part of a tensor it holds
+(`checkpoint_slice`) and only that part is read from the file.
 """
 
 from __future__ import annotations
@@ -85,9 +87,21 @@ def _needed(model: nn.Module, tied: bool) -> set[tuple[str, int | None]]:
     return needed
 
 
-def _copy(model: nn.Module, key: str, name: str, shard: int | None, tensor: torch.Tensor,
+def _read(f, key: str, owner: nn.Module, name: str, shard: int | None) -> torch.Tensor:
+    """The checkpoint tensor `key`, or only the part of it that `owner` holds."""
+    if not hasattr(owner, "checkpoint_slice"):
+        return f.get_tensor(key)
+    lazy = f.get_slice(key)
+    index = owner.checkpoint_slice(name.rsplit(".", 1)[-1], shard, tuple(lazy.get_shape()))
+    return f.get_tensor(key) if index is None else lazy[index]
+
+
+def _owner(model: nn.Module, name: str) -> nn.Module:
+    return model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+
+
+def _copy(owner: nn.Module, key: str, shard: int | None, tensor: torch.Tensor,
           param: torch.Tensor) -> None:
-    owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
     if shard is not None:
         owner.load_shard(param, tensor, shard)
     elif hasattr(owner, "load_tensor"):  # a layer whose layout differs from the file's
@@ -99,9 +113,11 @@ def _copy(model: nn.Module, key: str, name: str, shard: int | None, tensor: torc
 
 
 @torch.no_grad()
-def load_checkpoint(model: nn.Module, path: str | Path, tied: bool) -> None:
+def load_checkpoint(model: nn.Module, path: str | Path, tied: bool,
+                    skip_prefixes: tuple[str, ...] = ()) -> None:
     """Fill every parameter of `model` from the checkpoint in `path`; `tied`: lm_head
-    shares the token embeddings (a saved lm_head.weight is skipped)."""
+    shares the token embeddings (a saved lm_head.weight is skipped); tensors whose name
+    (after renaming) starts with one of `skip_prefixes` belong to parts the model left out."""
     params = dict(model.named_parameters())
     needed = _needed(model, tied)
     loaded: set[tuple[str, int | None]] = set()
@@ -109,13 +125,14 @@ def load_checkpoint(model: nn.Module, path: str | Path, tied: bool) -> None:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for key in f.keys():
                 name, shard = local_name(key)
-                if tied and name == "lm_head.weight":
+                if (tied and name == "lm_head.weight") or name.startswith(skip_prefixes):
                     continue
                 if name not in params:
                     if key.endswith("rotary_emb.inv_freq"):
                         continue
                     raise KeyError(f"checkpoint tensor {key} has no place in the model")
-                _copy(model, key, name, shard, f.get_tensor(key), params[name])
+                owner = _owner(model, name)
+                _copy(owner, key, shard, _read(f, key, owner, name, shard), params[name])
                 loaded.add((name, shard))
     missing = needed - loaded
     if missing:

@@ -29,6 +29,9 @@ def test_vllm_forms_parse():
     assert args.limit_mm_per_prompt == 2 and args.dtype == "bfloat16"
     assert args.device == "cuda:1" and args.enable_prefix_caching is False
     assert parse("--limit-mm-per-prompt", "5").limit_mm_per_prompt == 5
+    assert parse("-tp", "2").tensor_parallel_size == 2
+    assert parse("--tensor-parallel-size", "4").tensor_parallel_size == 4
+    assert parse().tensor_parallel_size == 1
     assert parse("--limit-mm-per-prompt", '{"image": 3, "video": 0}').limit_mm_per_prompt == 3
 
 
@@ -71,6 +74,17 @@ def test_help_shows_defaults():
                           capture_output=True, text=True, timeout=60)
     text = " ".join(done.stdout.split())
     assert "(default: 64)" in text and "(default: 8)" in text and "MODEL" in text
+
+
+@pytest.mark.parametrize("size, says", [
+    ("3", "num_attention_heads (8) is not divisible by the tensor-parallel size 3"),
+    ("0", "--tensor-parallel-size 0: it must be at least 1"),
+])
+def test_tensor_parallel_sizes_that_cannot_split_are_refused(size, says):
+    done = subprocess.run([sys.executable, "-m", "flatserve.cli", "serve", "-tp", size],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert says in done.stderr.strip().splitlines()[-1]
 
 
 def test_gpu_memory_utilization_is_refused_on_a_cpu():

@@ -1,0 +1,147 @@
+"""One forward's inputs on the host, as the model runner computes them from a scheduled
+batch, the forward every rank runs on them, and their wire form to tensor-parallel workers.
+
+Wire form: a fixed header of int64 fields, then one int64 payload whose length the header
+gives, as raw bytes (all ranks are this project's processes; nothing is pickled). Image
+rows do not travel here: they are tensors on the device, broadcast by torch.distributed
+(tensor_parallel.py), and their layout in the batch is `image_rows` below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine_proc.context import Context, reset_context, set_context
+
+# header fields, in order
+HEADER_FIELDS = ("op", "num_tokens", "num_seqs", "table_width", "num_samples", "all_decode",
+                 "num_decodes", "num_pieces", "image_width")
+HEADER_BYTES = 8 * len(HEADER_FIELDS)
+OP_STEP, OP_EXIT = 1, 2
+
+# (first row in the flat batch, rows) of each image piece, and the pieces' rows stacked
+ImagePieces = list[tuple[int, torch.Tensor]]
+
+
+@dataclass
+class StepInputs:
+    input_ids: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [3, T] (mRoPE; text rows repeat one position)
+    query_start_loc: np.ndarray  # int32 [S + 1]
+    seq_lens: np.ndarray  # int32 [S], KV length after this forward
+    slot_mapping: np.ndarray  # int64 [T]
+    block_tables: np.ndarray  # int32 [S, B], padded with -1
+    sample_rows: np.ndarray  # int64 [N], rows whose hidden states become logits
+    all_decode: bool
+    num_decodes: int  # leading q_len == 1 sequences
+    image_rows: np.ndarray  # int64 [P, 2]: (first row, number of rows) of each image piece
+    image_width: int = 0  # columns of the image rows (hidden, or hidden * (1 + k) DeepStack)
+
+    def context(self, to_device: Callable[[np.ndarray], torch.Tensor]) -> Context:
+        q_lens = np.diff(self.query_start_loc)
+        return Context(
+            query_start_loc=to_device(self.query_start_loc),
+            seq_lens=to_device(self.seq_lens),
+            slot_mapping=to_device(self.slot_mapping),
+            block_tables=to_device(self.block_tables),
+            max_q_len=int(q_lens.max()),
+            max_seq_len=int(self.seq_lens.max()),
+            all_decode=self.all_decode,
+            # hints for layers/attention.py: the leading q_len == 1 sequences, and every
+            # sequence's lengths on the host (prefills then run one at a time)
+            num_decodes=self.num_decodes,
+            q_lens_host=None if self.all_decode else q_lens.tolist(),
+            seq_lens_host=None if self.all_decode else self.seq_lens.tolist(),
+        )
+
+    # ---- wire form
+
+    def encode(self) -> list[bytes | memoryview]:
+        """The header and the payload, to be written in this order."""
+        num_seqs, width = self.block_tables.shape
+        header = np.array([OP_STEP, len(self.input_ids), num_seqs, width, len(self.sample_rows),
+                           int(self.all_decode), self.num_decodes, len(self.image_rows),
+                           self.image_width], dtype=np.int64)
+        payload = np.concatenate([
+            self.input_ids, self.positions.reshape(-1), self.query_start_loc, self.seq_lens,
+            self.slot_mapping, self.block_tables.reshape(-1), self.sample_rows,
+            self.image_rows.reshape(-1)], dtype=np.int64)
+        return [header.data, payload.data]
+
+    @staticmethod
+    def payload_bytes(header: np.ndarray) -> int:
+        _, t, s, b, n, _, _, p, _ = header.tolist()
+        return 8 * (t + 3 * t + (s + 1) + s + t + s * b + n + 2 * p)
+
+    @classmethod
+    def decode(cls, header: np.ndarray, payload: bytes | bytearray) -> StepInputs:
+        _, t, s, b, n, all_decode, num_decodes, p, width = header.tolist()
+        flat = np.frombuffer(payload, dtype=np.int64)
+        sizes = [t, 3 * t, s + 1, s, t, s * b, n, 2 * p]
+        ids, pos, qsl, seq_lens, slots, tables, samples, images = np.split(
+            flat, np.cumsum(sizes)[:-1])
+        return cls(
+            input_ids=ids, positions=pos.reshape(3, t),
+            query_start_loc=qsl.astype(np.int32), seq_lens=seq_lens.astype(np.int32),
+            slot_mapping=slots, block_tables=tables.astype(np.int32).reshape(s, b),
+            sample_rows=samples, all_decode=bool(all_decode), num_decodes=num_decodes,
+            image_rows=images.reshape(p, 2), image_width=width,
+        )
+
+
+def exit_header() -> bytes:
+    header = np.zeros(len(HEADER_FIELDS), dtype=np.int64)
+    header[0] = OP_EXIT
+    return header.tobytes()
+
+
+def split_image_rows(inputs: StepInputs, values: torch.Tensor) -> ImagePieces:
+    """The stacked rows of every image piece -> (first row, rows) per piece (views)."""
+    return list(zip(inputs.image_rows[:, 0].tolist(),
+                    values.split(inputs.image_rows[:, 1].tolist()), strict=True))
+
+
+@torch.inference_mode()
+def forward_step(model: torch.nn.Module, inputs: StepInputs, pieces: ImagePieces,
+            to_device: Callable[[np.ndarray], torch.Tensor]) -> torch.Tensor | None:
+    """The decoder's forward over one step, on every rank alike: token embeddings with
+    the image pieces' rows written over their placeholders, the layers, and the logits of
+    the sampled rows ([N, vocab]; None on tensor-parallel ranks other than 0, or when no
+    row is sampled). The pieces are the caller's; nothing here keeps them (R3)."""
+    context = inputs.context(to_device)
+    set_context(context)
+    try:
+        inputs_embeds, deepstack = _embed(model, to_device(inputs.input_ids), pieces)
+        hidden = model(inputs_embeds, to_device(inputs.positions), deepstack)
+    finally:
+        reset_context()
+    del inputs_embeds, deepstack
+    if not len(inputs.sample_rows):
+        return None
+    if len(inputs.sample_rows) < hidden.shape[0]:
+        hidden = hidden[to_device(inputs.sample_rows)]  # the last token of each finished chunk
+    return model.compute_logits(hidden)
+
+
+def _embed(model: torch.nn.Module, input_ids: torch.Tensor,
+           pieces: ImagePieces) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token embeddings with image rows written over the placeholder rows, and for
+    DeepStack models (Qwen3-VL) the image rows' DeepStack features [T, k * hidden] (zero on
+    text rows), or None. An image's rows carry its DeepStack features as extra columns."""
+    inputs_embeds = model.embed_tokens(input_ids)
+    if not pieces:
+        return inputs_embeds, None  # text-only: no vision work at all
+    width = inputs_embeds.shape[1]
+    num_deepstack = len(model.config.vision.deepstack_visual_indexes)
+    deepstack = None
+    if num_deepstack:
+        deepstack = inputs_embeds.new_zeros(inputs_embeds.shape[0], num_deepstack * width)
+    for dst, rows in pieces:
+        inputs_embeds[dst : dst + rows.shape[0]] = rows[:, :width]
+        if deepstack is not None:
+            deepstack[dst : dst + rows.shape[0]] = rows[:, width:]
+    return inputs_embeds, deepstack
