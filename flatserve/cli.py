@@ -18,7 +18,12 @@ from shared.engine_config import EngineConfig
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
-    group.add_argument("--engines", type=int, default=1, help="engine processes to spawn")
+    group.add_argument("--engines", type=int, default=1,
+                       help="engine processes to spawn, all on --device (each takes a share of "
+                       "a CPU's cores)")
+    group.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                       help="vLLM's data parallelism: this many engines, each on devices of its "
+                       "own on GPUs (engine e from cuda:e*tp), as --engines on a CPU")
     group.add_argument("--engine-start-timeout", type=float, default=600.0,
                        help="seconds each engine may take to load and report ready")
     _add_engine_config_args(group, ENGINE_FLAGS)

@@ -160,15 +160,16 @@ def _check_gpu_count(device: str | None, needed: int) -> None:
     first = int(device.partition(":")[2] or 0) if device else 0
     have = torch.cuda.device_count()
     if first + needed > have:
-        raise SystemExit(f"flatserve serve: --engines x --tensor-parallel-size needs {needed} "
+        raise SystemExit(f"flatserve serve: engines x --tensor-parallel-size needs {needed} "
                          f"GPUs from cuda:{first}; {have} are visible")
 
 
-def _engine_device(engine_kwargs: dict, rank: int, tp: int) -> dict:
-    """Engine `rank`'s settings: with tensor parallelism on GPUs each engine takes the next
-    `tp` devices (its rank 0 on the first, its workers on the ones after it)."""
+def _engine_device(engine_kwargs: dict, rank: int, tp: int, spread: bool) -> dict:
+    """Engine `rank`'s settings: on GPUs, with tensor parallelism or `spread` (data
+    parallelism), each engine takes the next `tp` devices (its rank 0 on the first, its
+    workers on the ones after it)."""
     device = engine_kwargs["device"]
-    if tp == 1 or not _on_gpu(device):
+    if (tp == 1 and not spread) or not _on_gpu(device):
         return engine_kwargs
     first = int(device.partition(":")[2] or 0) if device else 0
     return {**engine_kwargs, "device": f"cuda:{first + rank * tp}"}
@@ -207,10 +208,15 @@ def run_server(args: argparse.Namespace) -> int:
         raise SystemExit("flatserve serve: --gpu-memory-utilization applies to GPUs and the "
                          "engines run on the CPU: set --kv-cache-memory-bytes instead")
     # --engine-addresses: engines started elsewhere (`flatserve engine`), none spawned here.
-    num_spawned = 0 if args.engine_addresses else args.engines
-    if not args.engine_addresses and args.engines < 1:
-        raise SystemExit("--engines must be at least 1")
-    if tp > 1 and num_spawned and _on_gpu(args.device):
+    dp = args.data_parallel_size
+    if dp < 1 or args.engines < 1:
+        raise SystemExit("flatserve serve: --engines and --data-parallel-size must be at least 1")
+    if dp > 1 and args.engines > 1:
+        raise SystemExit("flatserve serve: give --engines (all on --device) or "
+                         "--data-parallel-size (a device each on GPUs), not both")
+    num_spawned = 0 if args.engine_addresses else max(dp, args.engines)
+    spread = dp > 1
+    if (tp > 1 or spread) and num_spawned and _on_gpu(args.device):
         _check_gpu_count(args.device, num_spawned * tp)
     ipc_dir = IpcDir(prefix="flatserve-")
     engine_kwargs = {name: getattr(args, name) for name in ENGINE_FLAGS}
@@ -221,7 +227,7 @@ def run_server(args: argparse.Namespace) -> int:
     configs = [
         EngineConfig(model=model, address=ipc_dir.address(f"engine{rank}"), rank=rank,
                      max_model_len=max_model_len, log_level=args.log_level,
-                     **_engine_device(engine_kwargs, rank, tp))
+                     **_engine_device(engine_kwargs, rank, tp, spread))
         for rank in range(num_spawned)
     ]
     addresses = tuple(args.engine_addresses) or tuple(c.address for c in configs)

@@ -60,9 +60,6 @@ FLAGS = (
              no_op=("0",)),
     VllmFlag(("--cpu-offload-gb",), "weights stay on the engine's device", no_op=("0",)),
     VllmFlag(("--pipeline-parallel-size", "-pp"), "no pipeline parallelism", no_op=("1",)),
-    VllmFlag(("--data-parallel-size", "-dp"),
-             "replicas are --engines N: engine processes on this host, all on --device (one "
-             "replica per GPU is not implemented)", no_op=("1",)),
     VllmFlag(("--scheduling-policy",), "requests are scheduled first come, first served",
              no_op=("fcfs",)),
     VllmFlag(("--response-role",), "responses carry the role assistant",

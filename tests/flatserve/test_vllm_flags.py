@@ -179,7 +179,6 @@ def test_a_representative_vllm_command_line_parses_and_validates(tiny_model_path
     (["--no-enable-chunked-prefill"], "chunked prefill is always on"),
     (["--no-enforce-eager"], "engines always run eagerly"),
     (["-pp", "2"], "-pp 2 cannot apply here: no pipeline parallelism"),
-    (["--data-parallel-size", "2"], "replicas are --engines N"),
     (["--revision", "main"], "no hub downloads"),
     (["--download-dir", "/x"], "no hub downloads"),
     (["--hf-token"], "--hf-token cannot apply here: flatserve serves local checkpoint"),
