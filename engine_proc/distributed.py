@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 # A collective that waits longer than this inside a step fails (the peer is alive but
-# stuck); a dead peer is noticed at once by its process (tensor_parallel.py), not by this.
+# stuck); a dead peer is noticed at once by its process (tensor_parallel.py), not by this,
+# and in an engine process, also while the engine is being built.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 
 

@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from engine_proc import tensor_parallel
     from engine_proc.engine_process import EngineProcess
     from engine_proc.model_runner import resolve_device
 
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger(__name__).info(
         "torch intra-op threads: %d, niceness +%d", torch.get_num_threads(), nice
     )
+    tensor_parallel.exit_on_early_failure = True  # a worker lost while loading: exit now
     process = EngineProcess(config)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: process.stop())

@@ -153,6 +153,8 @@ class DecodeShare:
             self.owed_s -= seconds
             last = self.decode_step_s
             self.decode_step_s = seconds if last is None else 0.75 * last + 0.25 * seconds
+        elif batch.seqs:
+            self.owed_s = 0.0  # nothing was decoding when it was owed: it lapses
 
 
 class Scheduler:

@@ -59,6 +59,20 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + rank)
 
 
+# What rank 0 does when a worker dies before anyone set `on_failure` (while the engine is
+# being built: a collective then waits on the dead peer, for COLLECTIVE_TIMEOUT on NCCL).
+# The engine process sets exit_on_early_failure (engine_proc/main.py): nothing it could do
+# without the worker, so it exits with the worker's reason at once. In-process users (tests,
+# offline engines) keep the failure to read and the collective's own error.
+exit_on_early_failure = False
+
+
+def _early_failure(reason: str) -> None:
+    if exit_on_early_failure:
+        logger.error("tensor parallelism: %s; the engine exits", reason)
+        os._exit(1)
+
+
 class TensorParallelWorkers:
     def __init__(self, size: int, runner_kwargs: dict, *, label: str = "",
                  start_timeout_s: float = 600.0) -> None:
@@ -68,10 +82,14 @@ class TensorParallelWorkers:
         the workers' process titles and logs."""
         self.size = size
         self.failure: str | None = None
-        self.on_failure: Callable[[str], None] = lambda reason: None
+        self.on_failure: Callable[[str], None] = _early_failure
         self._closing = False
         self._lock = threading.Lock()
         device = torch.device(runner_kwargs["device"])
+        # the group's own sockets stay on this host (gloo and NCCL's bootstrap otherwise
+        # listen on the address the host name resolves to); the workers inherit these
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
         store = dist.TCPStore(STORE_HOST, 0, size, is_master=True, wait_for_workers=False)
         log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
         spec = {"size": size, "store_port": store.port, "label": label, "log_level": log_level,

@@ -20,7 +20,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--engines", type=int, default=1,
                        help="engine processes to spawn, all on --device (each takes a share of "
-                       "a CPU's cores)")
+                       "a CPU's cores; with --tensor-parallel-size N on GPUs, engine e from "
+                       "cuda:e*N)")
     group.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                        help="vLLM's data parallelism: this many engines, each on devices of its "
                        "own on GPUs (engine e from cuda:e*tp), as --engines on a CPU")
@@ -55,6 +56,15 @@ def run_engine(args: argparse.Namespace) -> int:
         from shared.tiny_checkpoint import ensure_tiny_checkpoint
 
         config = replace(config, model=str(ensure_tiny_checkpoint()))
+    if config.tensor_parallel_size > 1:
+        from shared.model_config import load_model_config, tensor_parallel_problem
+
+        problem = tensor_parallel_problem(load_model_config(config.model),
+                                          config.tensor_parallel_size)
+        if problem:
+            print(f"flatserve engine: --tensor-parallel-size {config.tensor_parallel_size}: "
+                  f"{problem}", file=sys.stderr)
+            return 2
     return engine_main(["--config-json", config.to_json()])
 
 

@@ -209,6 +209,10 @@ def run_server(args: argparse.Namespace) -> int:
                          "engines run on the CPU: set --kv-cache-memory-bytes instead")
     # --engine-addresses: engines started elsewhere (`flatserve engine`), none spawned here.
     dp = args.data_parallel_size
+    if args.engine_addresses and (tp, dp, args.engines) != (1, 1, 1):
+        raise SystemExit("flatserve serve: with --engine-addresses no engine is spawned here: "
+                         "give --tensor-parallel-size to each `flatserve engine`, and one "
+                         "address per engine instead of --engines or --data-parallel-size")
     if dp < 1 or args.engines < 1:
         raise SystemExit("flatserve serve: --engines and --data-parallel-size must be at least 1")
     if dp > 1 and args.engines > 1:

@@ -52,7 +52,10 @@ class EngineConfig:
         None, "share of the GPU's total memory this engine may use, weights and activations "
         "included: the KV cache gets what is left of it after loading (vLLM's meaning; "
         "default: 80%% of the memory free after loading; GPUs only)")
-    kv_cache_memory_bytes: int = opt(0, "KV cache bytes (0: 80%% of free GPU memory, 256 MiB on CPU)")
+    kv_cache_memory_bytes: int = opt(
+        0, "KV cache bytes of each rank (0: 80%% of free GPU memory, 256 MiB on CPU); with "
+        "--tensor-parallel-size N each rank holds its share of the heads in this many bytes, so "
+        "an engine on a CPU holds N times it")
     max_waiting: int = opt(4096, "most requests queued in the engine before it refuses more")
     device: str | None = opt(None, "torch device (default: cuda if available, else cpu)",
                              parse=parse_device)

@@ -511,3 +511,21 @@ def test_no_decode_share_and_no_decodes_leave_the_steps_alone():
     sched.add(first)
     batch, _ = step(sched)
     assert batch.seqs == [first]
+
+
+def test_time_owed_to_decodes_lapses_when_none_were_running():
+    # owed by a vision step while the only sequence was still prefilling: the steps after
+    # it are not held back later, when a decode appears without any vision work
+    sched = make_scheduler(max_num_batched_tokens=4, max_num_seqs=4, decode_share=0.5)
+    seq = make_seq(10, max_tokens=20)
+    sched.add(seq)
+    batch, _ = step(sched)
+    sched.decode_share.account(type(batch)(ran_vision=True), 1.0)  # owed 0.5 s
+    batch, _ = step(sched)  # a prefill chunk: nothing decodes, so nothing is owed
+    sched.decode_share.account(batch, 0.01)
+    assert sched.decode_share.owed_s == 0.0
+    waiting = make_seq(6)
+    sched.add(waiting)
+    step(sched)  # seq's last chunk
+    batch, _ = step(sched)
+    assert waiting in batch.seqs  # admitted beside the decode, not held back

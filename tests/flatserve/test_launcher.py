@@ -39,3 +39,11 @@ def test_engines_and_data_parallel_size_are_not_both_given():
                            "-dp", "2"], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "not both" in done.stderr.strip().splitlines()[-1]
+
+
+def test_spawning_flags_are_refused_with_engine_addresses():
+    done = subprocess.run([sys.executable, "-m", "flatserve.cli", "serve", "--engine-addresses",
+                           "ipc:///tmp/nowhere.sock", "-tp", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "no engine is spawned here" in done.stderr.strip().splitlines()[-1]
