@@ -192,6 +192,10 @@ class ApiConfig:
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
             value = getattr(self, name)
             object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
+        if not self.allowed_origins and (self.allow_credentials or self.allowed_methods != ("*",)
+                                         or self.allowed_headers != ("*",)):
+            raise ValueError("allowed_methods, allowed_headers and allow_credentials apply to "
+                             "the origins in allowed_origins: give it too")
         for name in ("max_model_len", "media_workers", "limit_mm_per_prompt"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")

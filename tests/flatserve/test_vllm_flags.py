@@ -217,6 +217,17 @@ def test_help_lists_the_vllm_flags_with_their_reasons():
     assert "--seed SEED" in text and "(default: 0)" in text
 
 
+def test_cors_settings_without_origins_are_refused(tiny_model_path):
+    from api_proc.config import ApiConfig
+
+    for setting in ({"allow_credentials": True}, {"allowed_methods": ("POST",)},
+                    {"allowed_headers": ("x-api-key",)}):
+        with pytest.raises(ValueError, match="give it too"):
+            ApiConfig(model=str(tiny_model_path), **setting)
+    ApiConfig(model=str(tiny_model_path), allowed_origins=("https://ui.example",),
+              allow_credentials=True, allowed_methods=("POST",))
+
+
 def test_cors_and_root_path(start_app):
     plain = start_app()
     assert httpx.get(plain.url + "/v1/models").status_code == 200
