@@ -245,8 +245,7 @@ class ModelRunner:
         if not batch.seqs:
             return [], None
         inputs, sample_seqs = self.prepare(batch)
-        with self._vision_threads():
-            pieces = self._image_rows(batch, inputs)  # vision work, on rank 0 only
+        pieces = self._image_rows(batch, inputs)  # vision work, on rank 0 only
         if self.workers is not None:
             logits = self.workers.forward(self.model, inputs, pieces, self._to_device)
         else:
@@ -441,7 +440,10 @@ class ModelRunner:
         pieces = self._image_pieces(batch)
         if not pieces:
             return []
-        self._encode([image for image, *_ in pieces if image.embeds is None])
+        to_encode = [image for image, *_ in pieces if image.embeds is None]
+        if to_encode:
+            with self._vision_threads():
+                self._encode(to_encode)
         rows = [(dst, image.embeds[src_start:src_end]) for image, dst, src_start, src_end in pieces]
         inputs.image_rows = np.asarray([(dst, r.shape[0]) for dst, r in rows], dtype=np.int64)
         inputs.image_width = rows[0][1].shape[1]

@@ -32,18 +32,25 @@ def _load_rows(key: str, param: torch.Tensor, tensor: torch.Tensor) -> None:
     param[rows:].zero_()
 
 
-class VocabParallelEmbedding(nn.Embedding):
-    def __init__(self, vocab_size: int, hidden_size: int, shard: Shard = REPLICATED) -> None:
-        self.start, self.end, part = shard.split_padded(vocab_size)
-        super().__init__(part, hidden_size)
-        self.vocab_size = vocab_size
-        self.shard = shard
+class _VocabRows:
+    """Loading for a weight whose rows are this rank's part of the (padded) vocabulary."""
+
+    shard: Shard
+    vocab_size: int
 
     def checkpoint_slice(self, leaf: str, shard: int | None, shape: tuple[int, ...]):
         return _checkpoint_rows(self.shard, self.vocab_size)
 
     def load_tensor(self, key: str, param: torch.Tensor, tensor: torch.Tensor) -> None:
         _load_rows(key, param, tensor)
+
+
+class VocabParallelEmbedding(_VocabRows, nn.Embedding):
+    def __init__(self, vocab_size: int, hidden_size: int, shard: Shard = REPLICATED) -> None:
+        self.start, self.end, part = shard.split_padded(vocab_size)
+        super().__init__(part, hidden_size)
+        self.vocab_size = vocab_size
+        self.shard = shard
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.shard.size == 1:
@@ -54,18 +61,12 @@ class VocabParallelEmbedding(nn.Embedding):
         return all_reduce(rows, self.shard)
 
 
-class ParallelLMHead(nn.Linear):
+class ParallelLMHead(_VocabRows, nn.Linear):
     def __init__(self, hidden_size: int, vocab_size: int, shard: Shard = REPLICATED) -> None:
         _, _, part = shard.split_padded(vocab_size)
         super().__init__(hidden_size, part, bias=False)
         self.vocab_size = vocab_size
         self.shard = shard
-
-    def checkpoint_slice(self, leaf: str, shard: int | None, shape: tuple[int, ...]):
-        return _checkpoint_rows(self.shard, self.vocab_size)
-
-    def load_tensor(self, key: str, param: torch.Tensor, tensor: torch.Tensor) -> None:
-        _load_rows(key, param, tensor)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [N, hidden] -> logits [N, vocab] on rank 0, None on the other ranks."""
