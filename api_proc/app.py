@@ -18,7 +18,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from api_proc.admission import AdmissionController
 from api_proc.config import ApiConfig
@@ -29,24 +29,17 @@ from api_proc.media_loader import MediaLoader
 from api_proc.metrics import Metrics
 from api_proc.prompt_builder import PromptBuilder
 from api_proc.protocol import ModelCard, ModelList
-from api_proc.request_body import ClientGone, RequestBody, read_body
+from api_proc.request_body import ClientGone, RequestBody, read_body, wait_for_disconnect
 from api_proc.responses import ResponseWriter
 from api_proc.serving import Prepared, Serving
 from shared.model_config import load_model_config
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 async def run_until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     """Run `work`; cancel it (its finally blocks release budget and abort engine requests)
     if the client disconnects first."""
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    watcher = asyncio.ensure_future(wait_for_disconnect(request.receive))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -146,9 +139,8 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
                 body.release()  # admission bytes the pipeline did not take over
             body = None
         if prepared.stream:
-            return StreamingResponse(
-                responses.stream(prepared, lambda status: metrics.count_request(endpoint, status)),
-                media_type="text/event-stream", headers=SSE_HEADERS)
+            return responses.stream(prepared,
+                                    lambda status: metrics.count_request(endpoint, status))
         try:
             body = await run_until_disconnect(request, responses.collect(prepared))
         except HTTPError as e:

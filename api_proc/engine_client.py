@@ -24,6 +24,7 @@ bounded, so the pipeline can leave out the pixels of images the engine holds (se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -424,11 +425,21 @@ def _api_error(output: RequestOutput) -> HTTPError:
     return cls(f"engine: {output.error or 'request failed'}", code=code)
 
 
+OnOutput = Callable[[RequestOutput], None]
+OnError = Callable[[HTTPError], None]
+
+
 class RequestStream:
-    """One request's outputs; keeps only ids, counters and undelivered tokens (R2)."""
+    """One request's outputs; keeps only ids, counters and undelivered tokens (R2).
+
+    Read either by iterating (a task wakes for every output), or by `deliver(on_output,
+    on_error)`: each output is handed on inside the engine reader's callback as it arrives,
+    so one engine step costs one wake of this process whatever the number of requests (how
+    responses.py streams)."""
 
     __slots__ = ("request_id", "_engine", "_prompt_tokens", "_budget", "_first",
-                 "_done", "_output", "_error", "_waiter", "_mm_reservation", "__weakref__")
+                 "_done", "_output", "_error", "_waiter", "_mm_reservation", "_on_output",
+                 "_on_error", "__weakref__")
 
     def __init__(self, engine: EngineConnection, request_id: str,
                  prompt_tokens: int, max_tokens: int, mm_reservation: Reservation | None) -> None:
@@ -442,6 +453,8 @@ class RequestStream:
         self._error: HTTPError | None = None
         self._waiter: asyncio.Future | None = None
         self._mm_reservation = mm_reservation
+        self._on_output: OnOutput | None = None
+        self._on_error: OnError | None = None
         engine.streams[request_id] = self
         engine.num_tokens += self._budget
 
@@ -454,6 +467,19 @@ class RequestStream:
         """Ended, and everything it received was delivered."""
         return self._done and self._output is None and self._error is None
 
+    def deliver(self, on_output: OnOutput, on_error: OnError) -> None:
+        """From now on, call on_output(output) for each output as it arrives (what arrived
+        before, at once), and on_error(error) for the error that ends the request, if one
+        does; both run in the engine reader's callback and must not block. Not after
+        iterating."""
+        self._on_output, self._on_error = on_output, on_error
+        output, error = self._output, self._error
+        self._output = self._error = None
+        if output is not None:
+            self._hand(output)
+        if error is not None:
+            self._hand_error(error)
+
     def __aiter__(self) -> RequestStream:
         return self
 
@@ -462,15 +488,11 @@ class RequestStream:
             output = self._output
             if output is not None:
                 self._output = None
-                self._account(output)
-                if output.finish_reason is not None:
-                    self._end()
-                    if output.finish_reason == "error":
-                        if not output.new_token_ids:
-                            raise _api_error(output)
-                        self._error = _api_error(output)  # the tokens first, then the error
-                        output.finish_reason = None
-                return output
+                output, error = self._settle(output)
+                if error is not None:
+                    self._error = error  # the tokens first, then the error
+                if output is not None:
+                    return output
             if self._error is not None:
                 error, self._error = self._error, None
                 raise error
@@ -482,11 +504,21 @@ class RequestStream:
             finally:
                 self._waiter = None
 
+    def abort(self) -> None:
+        """Stop early: abort the request in the engine; nothing more is delivered."""
+        if not self._done:
+            self._end()
+            self._engine.send(AbortRequests([self.request_id]))
+        self._output = None
+        self._on_output = self._on_error = None
+
     async def aclose(self) -> None:
-        """Stop early: abort the request in the engine."""
-        self._abort()
+        self.abort()
 
     def _push(self, output: RequestOutput) -> None:
+        if self._on_output is not None:
+            self._hand(output)
+            return
         pending = self._output
         if pending is None:
             self._output = output
@@ -506,13 +538,55 @@ class RequestStream:
 
     def _fail(self, error: HTTPError) -> None:
         if not self._done:
-            self._error = error
             self._end()
+            if self._on_error is not None:
+                self._hand_error(error)
+                return
+            self._error = error
             self._wake()
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
+
+    def _settle(self, output: RequestOutput) -> tuple[RequestOutput | None, HTTPError | None]:
+        """Account for an output handed to the consumer: what to hand on (None: no tokens
+        to show) and the error that ends the request, if any."""
+        self._account(output)
+        if output.finish_reason is None:
+            return output, None
+        self._end()
+        if output.finish_reason != "error":
+            return output, None
+        error = _api_error(output)
+        if not output.new_token_ids:
+            return None, error
+        output.finish_reason = None
+        return output, error
+
+    def _hand(self, output: RequestOutput) -> None:
+        on_output, on_error = self._on_output, self._on_error
+        output, error = self._settle(output)
+        try:
+            if output is not None:
+                on_output(output)
+            if error is not None:
+                on_error(error)
+        except Exception:  # a bug in one response: that request fails, the reader goes on
+            logger.exception("request %s: handing on an output failed", self.request_id)
+            self.abort()
+            with contextlib.suppress(Exception):
+                on_error(EngineFailed("internal error while streaming the output"))
+        if self._done:
+            self._on_output = self._on_error = None  # the consumer holds this stream: no cycle
+
+    def _hand_error(self, error: HTTPError) -> None:
+        on_error = self._on_error
+        self._on_output = self._on_error = None
+        try:
+            on_error(error)
+        except Exception:
+            logger.exception("request %s: handing on its error failed", self.request_id)
 
     def _account(self, output: RequestOutput) -> None:
         used = len(output.new_token_ids)
@@ -540,12 +614,6 @@ class RequestStream:
         engine.num_tokens -= self._budget
         self._budget = 0
         engine.on_request_end()
-
-    def _abort(self) -> None:
-        if not self._done:
-            self._end()
-            self._engine.send(AbortRequests([self.request_id]))
-        self._output = None
 
     def __del__(self) -> None:
         if not self._done:

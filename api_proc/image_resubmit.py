@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from collections.abc import Awaitable, Callable
 
 from api_proc.admission import Reservation
-from api_proc.engine_client import EngineConnection, RequestStream
-from api_proc.errors import HTTPError
+from api_proc.engine_client import EngineConnection, OnError, OnOutput, RequestStream
+from api_proc.errors import EngineFailed, HTTPError
 from api_proc.media_loader import EncodedImage
 from shared.messages import RequestOutput
+
+logger = logging.getLogger(__name__)
 
 IMAGE_MISSING = "image_missing"  # the HTTPError code engine_client.py gives that ErrorCode
 
@@ -69,14 +72,18 @@ Resubmit = Callable[[list[EncodedImage]], Awaitable[RequestStream]]
 
 class ResubmittingStream:
     """A RequestStream whose request left out some pixels: on IMAGE_MISSING it resubmits
-    the request with pixels (once) and goes on with the new stream."""
+    the request with pixels (once) and goes on delivering from the new stream."""
 
-    __slots__ = ("_stream", "_kept", "_resubmit", "__weakref__")
+    __slots__ = ("_stream", "_kept", "_resubmit", "_on_output", "_on_error", "_again",
+                 "__weakref__")
 
     def __init__(self, stream: RequestStream, kept: KeptImages, resubmit: Resubmit) -> None:
         self._stream = stream
         self._kept: KeptImages | None = kept
         self._resubmit: Resubmit | None = resubmit
+        self._on_output: OnOutput | None = None
+        self._on_error: OnError | None = None
+        self._again: asyncio.Task | None = None
         kept.hold()
 
     @property
@@ -87,32 +94,53 @@ class ResubmittingStream:
     def engine(self) -> EngineConnection:
         return self._stream.engine
 
-    @property
-    def finished(self) -> bool:
-        return self._stream.finished
+    def deliver(self, on_output: OnOutput, on_error: OnError) -> None:
+        """As RequestStream.deliver; an IMAGE_MISSING refusal is resubmitted, not handed on."""
+        self._on_output, self._on_error = on_output, on_error
+        self._stream.deliver(self._output, self._error)
 
-    def __aiter__(self) -> ResubmittingStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        try:
-            output = await self._stream.__anext__()
-        except HTTPError as error:
-            if self._kept is None or error.code != IMAGE_MISSING:
-                self._let_go()
-                raise
-        else:
-            self._let_go()  # the engine is past the images: their bytes can go (R1)
-            return output
-        encoded, resubmit = self._kept.copies(), self._resubmit
+    def abort(self) -> None:
         self._let_go()
-        self._stream = await resubmit(encoded)
-        encoded = resubmit = None
-        return await self._stream.__anext__()
+        if self._again is not None:
+            self._again.cancel()
+        self._stream.abort()
+        self._on_output = self._on_error = None
 
     async def aclose(self) -> None:
+        self.abort()
+
+    def _output(self, output: RequestOutput) -> None:
+        self._let_go()  # the engine is past the images: their bytes can go (R1)
+        if self._on_output is not None:
+            self._on_output(output)
+
+    def _error(self, error: HTTPError) -> None:
+        if self._kept is None or error.code != IMAGE_MISSING:
+            self._let_go()
+            if self._on_error is not None:
+                self._on_error(error)
+            return
+        encoded, resubmit = self._kept.copies(), self._resubmit
         self._let_go()
-        await self._stream.aclose()
+        self._again = asyncio.ensure_future(self._send_again(resubmit, encoded))
+
+    async def _send_again(self, resubmit: Resubmit, encoded: list[EncodedImage]) -> None:
+        try:
+            self._stream = await resubmit(encoded)
+        except Exception as error:
+            if not isinstance(error, HTTPError):
+                logger.exception("request %s: resending it with pixels failed", self.request_id)
+                error = EngineFailed("internal error while resending the request's images")
+            if self._on_error is not None:
+                self._on_error(error)
+            return
+        finally:
+            encoded = resubmit = None  # R1: the new request holds its pixels now
+            self._again = None
+        if self._on_output is None:  # aborted meanwhile
+            self._stream.abort()
+        else:
+            self._stream.deliver(self._on_output, self._on_error)
 
     def _let_go(self) -> None:
         kept, self._kept, self._resubmit = self._kept, None, None

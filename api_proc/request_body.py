@@ -3,6 +3,8 @@ read when it is large (R4); the pipeline takes the bytes out of the holder (R1).
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 from starlette.requests import ClientDisconnect, Request
 
 from api_proc.admission import AdmissionController, Reservation
@@ -11,6 +13,12 @@ from api_proc.errors import PayloadTooLarge
 
 class ClientGone(Exception):
     """The HTTP client disconnected; nothing is sent back."""
+
+
+async def wait_for_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
+    """Until the HTTP client disconnects (`receive`: the ASGI receive, body already read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 class RequestBody:

@@ -1,13 +1,22 @@
 """From engine outputs to OpenAI responses: the choices' outputs merged into one sequence,
 detokenized, tool calls read out (tool_parser.py), and rendered as one JSON body or as SSE
-chunks ending with `data: [DONE]`."""
+chunks ending with `data: [DONE]`.
+
+Outputs are handed over inside the engine reader's callback (RequestStream.deliver), and a
+streaming response writes its chunks from there (sync_send.py): an engine step with N
+streaming requests costs this process one wake, not N task wakes. A response's own task
+only starts it, waits for its end or its client's disconnect, and closes it."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Callable
+from typing import Any
+
+from fastapi.responses import Response
 
 from api_proc.errors import HTTPError
 from api_proc.logprobs import LogprobsFormatter, merge_completion
@@ -21,10 +30,114 @@ from api_proc.protocol import (
     CompletionChunk,
     CompletionResponse,
 )
+from api_proc.request_body import wait_for_disconnect
 from api_proc.serving import Choice, Prepared
+from api_proc.sync_send import SyncSend
 from api_proc.tool_parser import assemble
 
 DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+# what a response does with one choice's step: (choice, new text, finish reason, logprobs)
+Emit = Callable[[Choice, str, "str | None", object], None]
+
+
+class _Outputs:
+    """Every choice's outputs of one request as they arrive, advanced (detokenized, counted)
+    and passed to `emit`; `done` resolves when every choice has finished or one failed
+    (`error`)."""
+
+    __slots__ = ("writer", "prepared", "emit", "done", "error", "_open")
+
+    def __init__(self, writer: ResponseWriter, p: Prepared, emit: Emit) -> None:
+        self.writer = writer
+        self.prepared = p
+        self.emit = emit
+        self.done = asyncio.get_running_loop().create_future()
+        self.error: HTTPError | None = None
+        self._open = len(p.choices)
+
+    def start(self) -> None:
+        for c in self.prepared.choices:
+            c.stream.deliver(functools.partial(self._output, c),
+                             functools.partial(self._error, c))
+
+    def close(self) -> None:
+        """Abort whatever still runs (a stop string, a client gone, an error elsewhere)."""
+        for c in self.prepared.choices:
+            c.stream.abort()
+
+    def _output(self, c: Choice, out) -> None:
+        if self.done.done():
+            return
+        text, finish, lp = self.writer._advance(self.prepared, c, out)
+        self.emit(c, text, finish, lp)
+        if finish is not None:
+            self._open -= 1
+            if self._open == 0:
+                self.done.set_result(None)
+
+    def _error(self, c: Choice, error: HTTPError) -> None:
+        if not self.done.done():
+            self.error = error
+            self.done.set_result(None)
+
+
+class StreamedResponse(Response):
+    """The SSE response of a streaming request: an ASGI app whose chunks are written from
+    the engine reader's callbacks. Ends with `data: [DONE]` (an error: its chunk first);
+    on_end(status) once it is over, 499 when the client left first."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, writer: ResponseWriter, p: Prepared,
+                 on_end: Callable[[int], None]) -> None:
+        self.status_code = 200
+        self.background = None
+        self.init_headers(SSE_HEADERS)
+        self._writer = writer
+        self._prepared = p
+        self._on_end = on_end
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        p, w = self._prepared, self._writer
+        status, watcher, out = 499, None, None
+        try:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": self.raw_headers})
+            out = SyncSend(send)
+            for c in p.choices:
+                if p.kind == "chat":
+                    out(w._chunk(p, c.index, None, None))
+                elif c.echo:
+                    out(w._chunk(p, c.index, c.echo, None))
+            outputs = _Outputs(w, p, functools.partial(w._write_step, out, p))
+            outputs.start()
+            watcher = asyncio.ensure_future(wait_for_disconnect(receive))
+            await asyncio.wait((outputs.done, watcher), return_when=asyncio.FIRST_COMPLETED)
+            if not outputs.done.done():
+                return  # the client is gone
+            if outputs.error is not None:
+                out(_sse(json.dumps(outputs.error.to_dict())))
+            elif p.include_usage:
+                cls = ChatCompletionChunk if p.kind == "chat" else CompletionChunk
+                body = cls(id=p.id, created=p.created, model=p.model, choices=[],
+                           usage=p.usage)
+                out(_sse(body.model_dump_json()))
+            out(DONE)
+            await out.flush()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            status = 200 if outputs.error is None else outputs.error.status
+        except OSError:  # the client is gone (servers that raise on a closed connection)
+            pass
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            if out is not None:
+                out.cancel()  # what a gone client did not take
+            for c in p.choices:
+                c.stream.abort()
+            self._on_end(status)
 
 
 class ResponseWriter:
@@ -34,31 +147,57 @@ class ResponseWriter:
         self.metrics = metrics
         self.logprobs = logprobs
 
-    async def _outputs(self, p: Prepared) -> AsyncIterator[tuple[Choice, object]]:
-        if len(p.choices) == 1:
-            c = p.choices[0]
-            async for out in c.stream:
-                yield c, out
-            return
-        pending = {asyncio.ensure_future(c.stream.__anext__()): c for c in p.choices}
-        try:
-            while pending:
-                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for fut in done:
-                    c = pending.pop(fut)
-                    try:
-                        out = fut.result()
-                    except StopAsyncIteration:
-                        continue
-                    yield c, out
-                    if not c.stream.finished:
-                        pending[asyncio.ensure_future(c.stream.__anext__())] = c
-        finally:
-            for fut in pending:
-                fut.cancel()
-                fut.add_done_callback(_retrieve)
+    def stream(self, p: Prepared, on_end: Callable[[int], None]) -> StreamedResponse:
+        """The SSE response of a streaming request; on_end(status) when it is over."""
+        return StreamedResponse(self, p, on_end)
 
-    async def _advance(self, p: Prepared, c: Choice, out) -> tuple[str, str | None, object]:
+    async def collect(self, p: Prepared) -> dict:
+        """Run a non-streaming request to the end; the OpenAI response body."""
+        for c in p.choices:
+            if c.echo:
+                c.texts.append(c.echo)
+        outputs = _Outputs(self, p, functools.partial(self._gather, p))
+        outputs.start()
+        try:
+            await outputs.done
+        finally:
+            outputs.close()
+        if outputs.error is not None:
+            raise outputs.error
+        if p.kind == "chat":
+            messages = [_message(c) for c in p.choices]  # before _finish_reason: calls read
+            return ChatCompletionResponse(
+                id=p.id, created=p.created, model=p.model, usage=p.usage,
+                choices=[ChatCompletionChoice(
+                    index=c.index, finish_reason=_finish_reason(c), message=message,
+                    logprobs=None if c.logprobs is None else {"content": c.logprobs})
+                    for c, message in zip(p.choices, messages, strict=True)]).model_dump()
+        return CompletionResponse(
+            id=p.id, created=p.created, model=p.model, usage=p.usage,
+            choices=[CompletionChoice(
+                index=c.index, text="".join(c.texts), finish_reason=c.finish_reason,
+                logprobs=None if c.logprobs is None else merge_completion(c.logprobs))
+                for c in p.choices]).model_dump()
+
+    def _gather(self, p: Prepared, c: Choice, text: str, finish: str | None,
+                lp: Any) -> None:
+        if text:
+            c.texts.append(text)
+        if lp is not None and p.kind == "chat":
+            c.logprobs.extend(lp)
+        elif lp is not None:
+            c.logprobs.append(lp)
+
+    def _write_step(self, out: SyncSend, p: Prepared, c: Choice, text: str,
+                    finish: str | None, lp: Any) -> None:
+        if c.tool_calls is not None:
+            chunks = self._tool_chunks(p, c, text, finish, lp)
+            if chunks:
+                out(b"".join(chunks))
+        elif text or finish or lp:
+            out(self._chunk(p, c.index, text, finish, lp))
+
+    def _advance(self, p: Prepared, c: Choice, out) -> tuple[str, str | None, object]:
         """New text, finish reason and log-probabilities (chat entries, a completion
         logprobs object, or None) of choice `c` after engine output `out`."""
         ids = out.new_token_ids
@@ -75,7 +214,7 @@ class ResponseWriter:
         finish = out.finish_reason
         if c.detok.stopped:
             finish = "stop"
-            await c.stream.aclose()  # stop string: the engine stops too
+            c.stream.abort()  # stop string: the engine stops too
         elif finish is not None:
             text += c.detok.finish()
         c.finish_reason = finish
@@ -109,77 +248,6 @@ class ResponseWriter:
         self.metrics.e2e.observe(now - p.arrival)
         if c.first_token_at is not None and c.num_tokens > 1:
             self.metrics.tpot.observe((c.last_token_at - c.first_token_at) / (c.num_tokens - 1))
-
-    async def close(self, p: Prepared) -> None:
-        for c in p.choices:
-            await c.stream.aclose()
-
-    async def collect(self, p: Prepared) -> dict:
-        """Run a non-streaming request to the end; the OpenAI response body."""
-        outputs = self._outputs(p)
-        for c in p.choices:
-            if c.echo:
-                c.texts.append(c.echo)
-        try:
-            async for c, out in outputs:
-                text, _, lp = await self._advance(p, c, out)
-                if text:
-                    c.texts.append(text)
-                if lp is not None and p.kind == "chat":
-                    c.logprobs.extend(lp)
-                elif lp is not None:
-                    c.logprobs.append(lp)
-        finally:
-            await outputs.aclose()
-            await self.close(p)
-        if p.kind == "chat":
-            messages = [_message(c) for c in p.choices]  # before _finish_reason: calls read
-            return ChatCompletionResponse(
-                id=p.id, created=p.created, model=p.model, usage=p.usage,
-                choices=[ChatCompletionChoice(
-                    index=c.index, finish_reason=_finish_reason(c), message=message,
-                    logprobs=None if c.logprobs is None else {"content": c.logprobs})
-                    for c, message in zip(p.choices, messages, strict=True)]).model_dump()
-        return CompletionResponse(
-            id=p.id, created=p.created, model=p.model, usage=p.usage,
-            choices=[CompletionChoice(
-                index=c.index, text="".join(c.texts), finish_reason=c.finish_reason,
-                logprobs=None if c.logprobs is None else merge_completion(c.logprobs))
-                for c in p.choices]).model_dump()
-
-    async def stream(self, p: Prepared, on_end) -> AsyncIterator[bytes]:
-        """SSE chunks of a streaming request, ending with `data: [DONE]`; on_end(status)."""
-        status = 200
-        outputs = self._outputs(p)
-        try:
-            for c in p.choices:
-                if p.kind == "chat":
-                    yield self._chunk(p, c.index, None, None)
-                elif c.echo:
-                    yield self._chunk(p, c.index, c.echo, None)
-            async for c, out in outputs:
-                text, finish, lp = await self._advance(p, c, out)
-                if c.tool_calls is not None:
-                    for chunk in self._tool_chunks(p, c, text, finish, lp):
-                        yield chunk
-                elif text or finish or lp:
-                    yield self._chunk(p, c.index, text, finish, lp)
-            if p.include_usage:
-                cls = ChatCompletionChunk if p.kind == "chat" else CompletionChunk
-                body = cls(id=p.id, created=p.created, model=p.model, choices=[], usage=p.usage)
-                yield _sse(body.model_dump_json())
-            yield DONE
-        except HTTPError as e:
-            status = e.status
-            yield _sse(json.dumps(e.to_dict()))
-            yield DONE
-        except BaseException:
-            status = 499  # client gone (cancelled) or a bug
-            raise
-        finally:
-            await outputs.aclose()
-            await self.close(p)
-            on_end(status)
 
     def _tool_chunks(self, p: Prepared, c: Choice, text: str, finish: str | None,
                      lp: object) -> list[bytes]:
@@ -233,12 +301,6 @@ def _message(c: Choice) -> ChatCompletionMessage:
         return ChatCompletionMessage(content=text)
     content, calls = assemble([*c.tool_calls.feed(text), *c.tool_calls.finish()])
     return ChatCompletionMessage(content=content, tool_calls=calls or None)
-
-
-def _retrieve(fut: asyncio.Future) -> None:
-    """Mark a future's exception as seen (its request is gone; the error is moot)."""
-    if not fut.cancelled():
-        fut.exception()
 
 
 # Characters JSON leaves raw that Python's str.splitlines (and clients built on it, such as

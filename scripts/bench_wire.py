@@ -4,8 +4,9 @@ A real engine process (engine_proc/engine_process.py: busy loop, socket thread) 
 stand-in for the model: each step sleeps `--step-ms` (a forward pass, GIL released) and gives
 every running request one token. This process is the API side: the real engine client, a
 closed loop of `--concurrency` requests of `--output-len` tokens, every stream read to the
-end. CPU seconds of each process over the run, divided by the tokens streamed, is what the
-wire costs per token. Printed beside it, as the limit: the same steps sent by raw pyzmq +
+end the way the server reads it (RequestStream.deliver; `--iterate`: by async iteration).
+CPU seconds of each process over the run, divided by the tokens streamed, is what the wire
+costs per token. Printed beside it, as the limit: the same steps sent by raw pyzmq +
 msgpack (one message per step, no requests, no routing, no liveness), which is what waking a
 process once per step costs on this machine, and the stand-in's own work measured alone.
 
@@ -21,6 +22,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import psutil
@@ -34,6 +36,8 @@ class StandInEngine:
 
     step_s = 0.0
     max_requests = 1 << 20
+    failure = None
+    model_runner = SimpleNamespace(workers=None)  # no tensor-parallel ranks
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.seqs: dict[str, list[int]] = {}  # id -> [tokens left, tokens made, prompt length]
@@ -65,6 +69,12 @@ class StandInEngine:
                 del self.seqs[request_id]
             outputs.append(RequestOutput(request_id, [seq[1] % 1000], finish, seq[2], seq[1]))
         return outputs
+
+    def take_encoder_key_changes(self) -> tuple[list[bytes], list[bytes]]:
+        return [], []
+
+    def close(self) -> None:
+        pass
 
     def stats(self) -> EngineStats:
         return EngineStats(num_waiting=0, num_running=len(self.seqs), num_kv_blocks_total=0,
@@ -98,11 +108,33 @@ async def _api_side(address: str, pid: int, args: argparse.Namespace) -> dict[st
     tokens = 0
     ids = iter(range(args.requests))
 
-    async def worker() -> None:
+    loop = asyncio.get_running_loop()
+
+    async def delivered(request: AddRequest) -> None:
+        """As responses.py reads a stream: outputs handed on in the reader's callback."""
         nonlocal tokens
+        done = loop.create_future()
+
+        def on_output(output: RequestOutput) -> None:
+            nonlocal tokens
+            tokens += len(output.new_token_ids)
+            if output.finish_reason is not None:
+                done.set_result(None)
+
+        stream = client.submit(request)
+        stream.deliver(on_output, done.set_exception)
+        await done
+
+    async def iterated(request: AddRequest) -> None:
+        nonlocal tokens
+        async for output in client.submit(request):
+            tokens += len(output.new_token_ids)
+
+    one = iterated if args.iterate else delivered
+
+    async def worker() -> None:
         for i in ids:
-            async for output in client.submit(AddRequest(f"r{i}", prompt, sampling)):
-                tokens += len(output.new_token_ids)
+            await one(AddRequest(f"r{i}", prompt, sampling))
 
     await asyncio.sleep(0.5)  # let start-up work settle before the clock starts
     engine0, me0, t0 = _cpu_s(engine), _cpu_s(me), time.perf_counter()
@@ -178,29 +210,46 @@ def _run_pair(engine_target: Any, engine_args: tuple, api: Any) -> dict[str, flo
         engine.join(10)
 
 
-def _stand_in_alone(args: argparse.Namespace) -> float:
-    """CPU per token of the stand-in's own steps, no wire: the floor of the engine column."""
+def _stand_in_alone(args: argparse.Namespace, step_s: float, result: Any) -> None:
+    """CPU per token of the stand-in's own steps, sleeps included, with no wire: what the
+    engine process costs before it sends or receives anything (the floor of its column)."""
     engine = StandInEngine()
+    StandInEngine.step_s = step_s
     sampling = SamplingParams(max_tokens=args.output_len)
     prompt = list(range(1, args.prompt_len + 1))
-    start, tokens, next_id = time.process_time(), 0, 0
+    me = psutil.Process()
+    start, tokens, next_id = _cpu_s(me), 0, 0
     while next_id < args.requests or engine.seqs:
         while len(engine.seqs) < args.concurrency and next_id < args.requests:
             engine.add_request(AddRequest(f"r{next_id}", prompt, sampling))
             next_id += 1
         tokens += sum(len(o.new_token_ids) for o in engine.step())
-    return (time.process_time() - start) / tokens * 1e6
+    result.put((_cpu_s(me) - start) / tokens * 1e6)
 
 
-def main() -> None:
+def _floor(args: argparse.Namespace, step_s: float) -> float:
+    ctx = mp.get_context("spawn")
+    result = ctx.Queue()
+    process = ctx.Process(target=_stand_in_alone, args=(args, step_s, result))
+    process.start()
+    try:
+        return result.get(timeout=600)
+    finally:
+        process.join(10)
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=512)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=200)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--step-ms", type=float, default=5.0, help="model time per step")
+    parser.add_argument("--iterate", action="store_true",
+                        help="read each stream by iterating it (a task wake per output) "
+                        "instead of as the server does (handed on in the reader)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     from rpc.sockets import IpcDir
 
     step_s = args.step_ms / 1000
@@ -213,14 +262,17 @@ def main() -> None:
                         lambda pid: _raw_api(ipc.address("raw"), pid, steps))
     result["raw_engine_us_per_token"] = raw["engine_us_per_token"]
     result["raw_api_us_per_token"] = raw["api_us_per_token"]
-    result["stand_in_us_per_token"] = _stand_in_alone(args)
+    result["stand_in_us_per_token"] = floor = _floor(args, step_s)
+    result["engine_wire_us_per_token"] = result["engine_us_per_token"] - floor
+    result["raw_engine_wire_us_per_token"] = result["raw_engine_us_per_token"] - floor
     print(f"{args.requests} requests x {args.output_len} tokens, {args.concurrency} in flight, "
           f"{args.step_ms} ms per step; CPU us per streamed token")
-    print(f"{'':<12}{'flatserve':>11}{'raw pyzmq':>11}{'ratio':>8}")
-    for side in ("engine", "api"):
-        ours, limit = result[f"{side}_us_per_token"], result[f"raw_{side}_us_per_token"]
-        print(f"{side:<12}{ours:>11.2f}{limit:>11.2f}{ours / limit:>8.2f}")
-    print(f"the stand-in's steps alone: {result['stand_in_us_per_token']:.2f} us per token; "
+    print(f"{'':<24}{'flatserve':>11}{'raw pyzmq':>11}{'ratio':>8}")
+    for label, key in (("engine process", "engine"), ("engine, less its steps", "engine_wire"),
+                       ("api process", "api")):
+        ours, limit = result[f"{key}_us_per_token"], result[f"raw_{key}_us_per_token"]
+        print(f"{label:<24}{ours:>11.2f}{limit:>11.2f}{ours / limit:>8.2f}")
+    print(f"the stand-in's steps alone (sleeps included, no wire): {floor:.2f} us per token; "
           f"{result['tokens_per_s']:.0f} tokens/s")
     if args.json:
         with open(args.json, "w") as f:

@@ -340,3 +340,89 @@ async def test_merged_outputs_keep_one_logprob_entry_per_token():
     out = await stream.__anext__()
     assert out.new_token_ids == [2, 3]
     assert out.logprobs == [[-0.2, [2], [-0.2]], [-0.3, [3], [-0.3]]]
+
+
+# ------------------------------------------------------------------ delivered in the reader
+
+
+class _Sink:
+    def __init__(self, stream, fail_on: int | None = None):
+        self.outputs: list[RequestOutput] = []
+        self.errors: list[Exception] = []
+        self.fail_on = fail_on
+        self.stream = stream  # a stream nobody holds is dropped, and aborted
+        stream.deliver(self.output, self.errors.append)
+
+    def output(self, out: RequestOutput) -> None:
+        if out.new_token_ids == [self.fail_on]:
+            raise ValueError("a bug in a response")
+        self.outputs.append(out)
+
+
+async def test_delivered_outputs_are_handed_on_inside_the_step_callback():
+    """Every request of an engine step gets its output within that step's callback: no task
+    wakes per request."""
+    engine = WireRecorder("a")
+    client = EngineClient([engine])
+    streams = [client.submit(_req(f"r{i}", prompt_len=3, max_tokens=10)) for i in range(3)]
+    engine.answer(RequestOutput("r0", [7], None, 3, 1))  # arrives before anyone delivers
+    sinks = [_Sink(s) for s in streams]
+    assert [o.new_token_ids for o in sinks[0].outputs] == [[7]]
+    engine.answer(*(RequestOutput(f"r{i}", [i], None, 3, 1) for i in range(3)))
+    assert [[o.new_token_ids for o in s.outputs] for s in sinks] == [[[7], [0]], [[1]], [[2]]]
+    assert engine.num_tokens == 3 * 13 - 3 * 3 - 4  # prompts prefilled, 4 tokens made
+    engine.answer(*(RequestOutput(f"r{i}", [9], "length", 3, 2) for i in range(3)))
+    assert all(s.outputs[-1].finish_reason == "length" and not s.errors for s in sinks)
+    assert all(s.finished for s in streams)
+    assert client.num_in_flight == 0 and engine.num_tokens == 0
+
+
+async def test_a_delivered_error_comes_after_its_tokens():
+    engine = WireRecorder("a")
+    client = EngineClient([engine])
+    sink = _Sink(client.submit(_req("x")))
+    engine.answer(RequestOutput("x", [1, 2], "error", error="failed on purpose",
+                                error_code=ErrorCode.INTERNAL))
+    assert [o.new_token_ids for o in sink.outputs] == [[1, 2]]
+    assert sink.outputs[0].finish_reason is None
+    assert [type(e) for e in sink.errors] == [EngineFailed]
+    assert "failed on purpose" in sink.errors[0].message
+    assert client.num_in_flight == 0 and engine.num_tokens == 0
+
+
+async def test_a_lost_engine_fails_delivered_streams():
+    engine = WireRecorder("a")
+    client = EngineClient([engine])
+    sinks = [_Sink(client.submit(_req(f"r{i}"))) for i in range(2)]
+    engine._fail_all(EngineUnavailable("engine unavailable: gone"))
+    assert [[type(e) for e in s.errors] for s in sinks] == [[EngineUnavailable]] * 2
+    assert client.num_in_flight == 0
+
+
+async def test_a_failing_consumer_fails_its_request_alone():
+    """A bug in one response's handling: that request is aborted in the engine and fails
+    with a 500; the other requests of the same step are handed on as usual."""
+    engine = WireRecorder("a")
+    client = EngineClient([engine])
+    bad = _Sink(client.submit(_req("bad")), fail_on=5)
+    good = _Sink(client.submit(_req("good")))
+    engine.answer(RequestOutput("bad", [5], None), RequestOutput("good", [6], None))
+    assert [type(e) for e in bad.errors] == [EngineFailed] and bad.errors[0].status == 500
+    assert ("abort", "bad") in engine.sent
+    assert [o.new_token_ids for o in good.outputs] == [[6]] and not good.errors
+    engine.answer(RequestOutput("bad", [1], None), RequestOutput("good", [2], "stop"))
+    assert not bad.outputs and len(bad.errors) == 1
+    assert [o.new_token_ids for o in good.outputs] == [[6], [2]]
+    assert client.num_in_flight == 0
+
+
+async def test_abort_stops_delivery_and_aborts_in_the_engine():
+    engine = WireRecorder("a")
+    client = EngineClient([engine])
+    stream = client.submit(_req("x"))
+    sink = _Sink(stream)
+    engine.answer(RequestOutput("x", [1], None))
+    stream.abort()
+    engine.answer(RequestOutput("x", [2], None))
+    assert [o.new_token_ids for o in sink.outputs] == [[1]] and not sink.errors
+    assert ("abort", "x") in engine.sent and client.num_in_flight == 0
