@@ -271,7 +271,8 @@ def main(argv: list[str] | None = None) -> None:
     for label, key in (("engine process", "engine"), ("engine, less its steps", "engine_wire"),
                        ("api process", "api")):
         ours, limit = result[f"{key}_us_per_token"], result[f"raw_{key}_us_per_token"]
-        print(f"{label:<24}{ours:>11.2f}{limit:>11.2f}{ours / limit:>8.2f}")
+        ratio = ours / limit if limit > 0 else float("nan")  # a run too short to time
+        print(f"{label:<24}{ours:>11.2f}{limit:>11.2f}{ratio:>8.2f}")
     print(f"the stand-in's steps alone (sleeps included, no wire): {floor:.2f} us per token; "
           f"{result['tokens_per_s']:.0f} tokens/s")
     if args.json:
