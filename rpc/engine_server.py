@@ -1,11 +1,14 @@
-"""The engine's end of the wire: a ROUTER socket served by a thread of its own.
+"""The engine's end of the wire: a ROUTER socket, read by a thread of its own.
 
 The engine's busy loop stays synchronous. Between steps it takes the commands that arrived
 (`take_commands`: AddRequest and AbortRequests, in arrival order) and after each step it
-posts the step's outputs (`send_step`); this thread sends them as one StepOutputs per API
-process. It answers pings at once, with the stats the busy loop last published, so a long
-model step never looks like a dead engine, and it aborts the requests of an API process that
-has gone silent for `peer_timeout_s` (the API pings several times a second).
+sends the step's outputs itself (`send_step`), one StepOutputs per API process: a step costs
+no wake of another thread. The thread receives: it answers pings at once, with the stats
+the busy loop last published, so a long model step never looks like a dead engine, and it
+aborts the requests of an API process that has gone silent for `peer_timeout_s` (the API
+pings several times a second). Both threads use the socket under one lock (what zmq asks
+of a socket shared by threads); the thread waits on the socket's file descriptor, outside
+the lock.
 
 Encoder cache keys: the busy loop posts, with each step, the keys its encoder cache added and
 removed; every API process learns them with its next message from here (a reply to its
@@ -26,6 +29,7 @@ import contextlib
 import logging
 import os
 import queue
+import select
 import threading
 import time
 from collections import deque
@@ -90,12 +94,11 @@ class EngineServer:
         self.stats: EngineStats | None = None  # published by the busy loop, read here
         self._commands: queue.SimpleQueue[AddRequest | AbortRequests] = queue.SimpleQueue()
         self._has_commands = threading.Event()
-        self._steps: queue.SimpleQueue[tuple[list[RequestOutput], list[bytes], list[bytes]]] = \
-            queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
+        self._lock = threading.Lock()  # the socket and everything below: either thread
+        self._sock: zmq.Socket | None = None
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
-        # the I/O thread's own state
         self._owner: dict[str, bytes] = {}  # request id -> the API process that sent it
         self._last_seen: dict[bytes, float] = {}
         self._pending: dict[bytes, deque[list[Any]]] = {}  # frames waiting for room
@@ -127,13 +130,23 @@ class EngineServer:
 
     def send_step(self, outputs: list[RequestOutput], keys_added: list[bytes] = (),
                   keys_removed: list[bytes] = ()) -> None:
-        """Post a step's outputs and its encoder cache key changes (every API process
-        hears of the keys, with its next message)."""
-        self._steps.put((outputs, list(keys_added), list(keys_removed)))
-        os.write(self._wake_w, b"\0")
+        """Send a step's outputs, each to the API process that sent its request, and record
+        its encoder cache key changes (every API process hears of them with its next
+        message). Before start() or after stop(), nothing is sent."""
+        with self._lock:
+            sock = self._sock
+            if sock is None:
+                return
+            if keys_added or keys_removed:
+                self._record_keys(list(keys_added), list(keys_removed))
+            self._route(sock, outputs)
+            if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                # a send can take the edge of input that arrived meanwhile: the thread
+                # would not see it on the descriptor
+                os.write(self._wake_w, b"\0")
 
     def stop(self) -> None:
-        """Send what was posted, then close the socket."""
+        """Close the socket (what send_step sent is out: the socket lingers to send it)."""
         self._stopping.set()
         os.write(self._wake_w, b"\0")
         if self._thread is not None:
@@ -156,24 +169,29 @@ class EngineServer:
             self._close_context(ctx, auth)
             ready.put(OSError(f"cannot bind {self.address}: {e}"))
             return
+        with self._lock:
+            self._sock = sock
+            fd = sock.getsockopt(zmq.FD)
         ready.put(None)
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        more = True
         try:
             while not self._stopping.is_set():
-                events = dict(poller.poll(1 if self._pending else 250))
-                if self._wake_r in events:
-                    os.read(self._wake_r, 4096)
-                if sock in events:
+                if not more:  # zmq's descriptor is edge-triggered: wait only once drained
+                    for ready_fd, _ in poller.poll(1 if self._pending else 250):
+                        if ready_fd == self._wake_r:
+                            os.read(self._wake_r, 4096)
+                with self._lock:
                     self._receive(sock)
-                self._route_steps(sock)
-                self._flush(sock)
-                self._reap_silent_peers()
-            self._route_steps(sock)  # the busy loop's last words (STOPPING errors)
-            self._flush(sock)
+                    self._flush(sock)
+                    self._reap_silent_peers()
+                    more = bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
         finally:
-            sock.close(linger=200)
+            with self._lock:
+                self._sock = None
+                sock.close(linger=200)
             self._close_context(ctx, auth)
             if self.address.startswith("ipc://"):
                 with contextlib.suppress(FileNotFoundError):
@@ -240,24 +258,17 @@ class EngineServer:
         output = RequestOutput(request_id, [], "error", error=error, error_code=code)
         self._post(sock, peer, StepOutputs([output], self.stats))
 
-    def _route_steps(self, sock: zmq.Socket) -> None:
-        while True:
-            try:
-                outputs, added, removed = self._steps.get_nowait()
-            except queue.Empty:
-                return
-            if added or removed:
-                self._record_keys(added, removed)
-            by_peer: dict[bytes, list[RequestOutput]] = {}
-            for output in outputs:
-                peer = self._owner.get(output.request_id)
-                if peer is None:
-                    continue  # aborted by its API process, or that process is gone
-                if output.finish_reason is not None:
-                    del self._owner[output.request_id]
-                by_peer.setdefault(peer, []).append(output)
-            for peer, mine in by_peer.items():
-                self._post(sock, peer, StepOutputs(mine, self.stats))
+    def _route(self, sock: zmq.Socket, outputs: list[RequestOutput]) -> None:
+        by_peer: dict[bytes, list[RequestOutput]] = {}
+        for output in outputs:
+            peer = self._owner.get(output.request_id)
+            if peer is None:
+                continue  # aborted by its API process, or that process is gone
+            if output.finish_reason is not None:
+                del self._owner[output.request_id]
+            by_peer.setdefault(peer, []).append(output)
+        for peer, mine in by_peer.items():
+            self._post(sock, peer, StepOutputs(mine, self.stats))
 
     def _record_keys(self, added: list[bytes], removed: list[bytes]) -> None:
         self._cache_keys.difference_update(removed)
