@@ -439,7 +439,7 @@ class RequestStream:
 
     __slots__ = ("request_id", "_engine", "_prompt_tokens", "_budget", "_first",
                  "_done", "_output", "_error", "_waiter", "_mm_reservation", "_on_output",
-                 "_on_error", "__weakref__")
+                 "_on_error", "_aborted", "__weakref__")
 
     def __init__(self, engine: EngineConnection, request_id: str,
                  prompt_tokens: int, max_tokens: int, mm_reservation: Reservation | None) -> None:
@@ -455,6 +455,7 @@ class RequestStream:
         self._mm_reservation = mm_reservation
         self._on_output: OnOutput | None = None
         self._on_error: OnError | None = None
+        self._aborted = False
         engine.streams[request_id] = self
         engine.num_tokens += self._budget
 
@@ -471,14 +472,21 @@ class RequestStream:
         """From now on, call on_output(output) for each output as it arrives (what arrived
         before, at once), and on_error(error) for the error that ends the request, if one
         does; both run in the engine reader's callback and must not block. Not after
-        iterating."""
+        iterating; again after pause()."""
+        if self._aborted:
+            return
         self._on_output, self._on_error = on_output, on_error
         output, error = self._output, self._error
         self._output = self._error = None
         if output is not None:
-            self._hand(output)
-        if error is not None:
-            self._hand_error(error)
+            self._hand(output, on_output, on_error)
+        if error is not None and not self._aborted:  # not when the consumer just aborted
+            self._hand_error(error, on_error)
+
+    def pause(self) -> None:
+        """Hand nothing on until deliver() is called again: outputs arriving meanwhile
+        are merged into one (at most the request's own tokens), as for a busy iterator."""
+        self._on_output = self._on_error = None
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -506,6 +514,7 @@ class RequestStream:
 
     def abort(self) -> None:
         """Stop early: abort the request in the engine; nothing more is delivered."""
+        self._aborted = True
         if not self._done:
             self._end()
             self._engine.send(AbortRequests([self.request_id]))
@@ -516,8 +525,9 @@ class RequestStream:
         self.abort()
 
     def _push(self, output: RequestOutput) -> None:
-        if self._on_output is not None:
-            self._hand(output)
+        on_output = self._on_output
+        if on_output is not None:
+            self._hand(output, on_output, self._on_error)
             return
         pending = self._output
         if pending is None:
@@ -539,8 +549,9 @@ class RequestStream:
     def _fail(self, error: HTTPError) -> None:
         if not self._done:
             self._end()
-            if self._on_error is not None:
-                self._hand_error(error)
+            on_error = self._on_error
+            if on_error is not None:
+                self._hand_error(error, on_error)
                 return
             self._error = error
             self._wake()
@@ -564,13 +575,12 @@ class RequestStream:
         output.finish_reason = None
         return output, error
 
-    def _hand(self, output: RequestOutput) -> None:
-        on_output, on_error = self._on_output, self._on_error
+    def _hand(self, output: RequestOutput, on_output: OnOutput, on_error: OnError) -> None:
         output, error = self._settle(output)
         try:
             if output is not None:
                 on_output(output)
-            if error is not None:
+            if error is not None and not self._aborted:  # the consumer may stop on a token
                 on_error(error)
         except Exception:  # a bug in one response: that request fails, the reader goes on
             logger.exception("request %s: handing on an output failed", self.request_id)
@@ -580,8 +590,7 @@ class RequestStream:
         if self._done:
             self._on_output = self._on_error = None  # the consumer holds this stream: no cycle
 
-    def _hand_error(self, error: HTTPError) -> None:
-        on_error = self._on_error
+    def _hand_error(self, error: HTTPError, on_error: OnError) -> None:
         self._on_output = self._on_error = None
         try:
             on_error(error)

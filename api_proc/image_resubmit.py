@@ -99,6 +99,9 @@ class ResubmittingStream:
         self._on_output, self._on_error = on_output, on_error
         self._stream.deliver(self._output, self._error)
 
+    def pause(self) -> None:
+        self._stream.pause()
+
     def abort(self) -> None:
         self._let_go()
         if self._again is not None:
@@ -131,6 +134,7 @@ class ResubmittingStream:
             if not isinstance(error, HTTPError):
                 logger.exception("request %s: resending it with pixels failed", self.request_id)
                 error = EngineFailed("internal error while resending the request's images")
+            error = error.with_traceback(None)  # its frames may hold the images (R1)
             if self._on_error is not None:
                 self._on_error(error)
             return

@@ -36,6 +36,9 @@ from api_proc.sync_send import SyncSend
 from api_proc.tool_parser import assemble
 
 DONE = b"data: [DONE]\n\n"
+# a client that reads slower than its tokens come: past this many bytes waiting to be sent,
+# its streams are paused (the engine's outputs merge as token ids) until they are out
+MAX_BACKLOG_BYTES = 256 << 10
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 # what a response does with one choice's step: (choice, new text, finish reason, logprobs)
@@ -61,6 +64,11 @@ class _Outputs:
         for c in self.prepared.choices:
             c.stream.deliver(functools.partial(self._output, c),
                              functools.partial(self._error, c))
+
+    def pause(self) -> None:
+        """Hand nothing on until start() is called again (outputs merge meanwhile)."""
+        for c in self.prepared.choices:
+            c.stream.pause()
 
     def close(self) -> None:
         """Abort whatever still runs (a stop string, a client gone, an error elsewhere)."""
@@ -98,6 +106,7 @@ class StreamedResponse(Response):
         self._writer = writer
         self._prepared = p
         self._on_end = on_end
+        self._outputs: _Outputs | None = None
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         p, w = self._prepared, self._writer
@@ -111,7 +120,9 @@ class StreamedResponse(Response):
                     out(w._chunk(p, c.index, None, None))
                 elif c.echo:
                     out(w._chunk(p, c.index, c.echo, None))
-            outputs = _Outputs(w, p, functools.partial(w._write_step, out, p))
+            outputs = _Outputs(w, p, functools.partial(self._write, out, p))
+            self._outputs = outputs
+            out.on_drained = outputs.start  # after a pause for a slow client
             outputs.start()
             watcher = asyncio.ensure_future(wait_for_disconnect(receive))
             await asyncio.wait((outputs.done, watcher), return_when=asyncio.FIRST_COMPLETED)
@@ -137,7 +148,14 @@ class StreamedResponse(Response):
                 out.cancel()  # what a gone client did not take
             for c in p.choices:
                 c.stream.abort()
+            self._outputs = None
             self._on_end(status)
+
+    def _write(self, out: SyncSend, p: Prepared, c: Choice, text: str, finish: str | None,
+               lp: Any) -> None:
+        self._writer._write_step(out, p, c, text, finish, lp)
+        if out.backlog_bytes > MAX_BACKLOG_BYTES:
+            self._outputs.pause()
 
 
 class ResponseWriter:
@@ -162,8 +180,12 @@ class ResponseWriter:
             await outputs.done
         finally:
             outputs.close()
-        if outputs.error is not None:
-            raise outputs.error
+        error, outputs.error = outputs.error, None
+        if error is not None:
+            try:
+                raise error
+            finally:
+                error = None  # the traceback holds this frame: no cycle back to the error
         if p.kind == "chat":
             messages = [_message(c) for c in p.choices]  # before _finish_reason: calls read
             return ChatCompletionResponse(

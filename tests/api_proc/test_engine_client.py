@@ -426,3 +426,47 @@ async def test_abort_stops_delivery_and_aborts_in_the_engine():
     engine.answer(RequestOutput("x", [2], None))
     assert [o.new_token_ids for o in sink.outputs] == [[1]] and not sink.errors
     assert ("abort", "x") in engine.sent and client.num_in_flight == 0
+
+
+async def test_outputs_and_an_engine_loss_before_delivery_are_both_handed_on():
+    """Tokens and then the engine's loss arrive before the response starts delivering:
+    both reach it, the tokens first (the loss must not be dropped, or the response would
+    wait forever)."""
+    engine = WireRecorder("a")
+    client = EngineClient([engine])
+    stream = client.submit(_req("x"))
+    engine.answer(RequestOutput("x", [1], None))
+    engine._fail_all(EngineUnavailable("engine unavailable: gone"))
+    sink = _Sink(stream)
+    assert [o.new_token_ids for o in sink.outputs] == [[1]]
+    assert [type(e) for e in sink.errors] == [EngineUnavailable]
+
+
+async def test_a_consumer_that_stops_on_a_token_gets_no_error_after_it():
+    engine = WireRecorder("a")
+    client = EngineClient([engine])
+    stream = client.submit(_req("x"))
+    outputs, errors = [], []
+
+    def stop_here(out):
+        outputs.append(out)
+        stream.abort()  # a stop string found in this output's text
+
+    stream.deliver(stop_here, errors.append)
+    engine.answer(RequestOutput("x", [1, 2], "error", error="late", error_code=ErrorCode.INTERNAL))
+    assert [o.new_token_ids for o in outputs] == [[1, 2]] and errors == []
+
+
+async def test_a_paused_stream_merges_and_hands_on_when_delivered_again():
+    engine = WireRecorder("a")
+    client = EngineClient([engine])
+    stream = client.submit(_req("x", prompt_len=3, max_tokens=10))
+    sink = _Sink(stream)
+    engine.answer(RequestOutput("x", [1], None, 3, 1))
+    stream.pause()
+    engine.answer(RequestOutput("x", [2], None, 3, 2))
+    engine.answer(RequestOutput("x", [3], "stop", 3, 3))
+    assert [o.new_token_ids for o in sink.outputs] == [[1]]
+    stream.deliver(sink.output, sink.errors.append)
+    assert [o.new_token_ids for o in sink.outputs] == [[1], [2, 3]]
+    assert sink.outputs[-1].finish_reason == "stop" and stream.finished

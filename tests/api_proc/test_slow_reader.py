@@ -1,7 +1,7 @@
 """A streaming response whose writes suspend (the transport paused: the client reads slower
 than the server writes): the chunks written meanwhile wait behind the suspended write
-(sync_send.py), and the client still receives the whole response, in order, as a client
-whose writes never wait does. Real app on uvicorn, real sockets, the engine double; a
+(sync_send.py), past a limit the streams pause until the backlog is out, and the client
+still receives the whole response, in order, as a client whose writes never wait does. Real app on uvicorn, real sockets, the engine double; a
 middleware makes some writes wait as a paused transport does."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import json
 
 import httpx
 
-from api_proc import sync_send
+from api_proc import responses, sync_send
 from api_proc.app import build_app
+from api_proc.engine_client import RequestStream
 from tests.api_proc.conftest import AppServer
 
 WORDS = " ".join(f"word{i}" for i in range(150))
@@ -74,6 +75,18 @@ def test_chunks_written_behind_a_waiting_write_arrive_whole_and_in_order(
         with httpx.stream("POST", url, json=body, timeout=60) as r:
             got = _texts(r)
         assert suspended, "no write waited: the test tested nothing"
+        assert got == expected
+        assert app.state.engine_client.num_in_flight == 0
+
+        # past the backlog limit the streams pause (tokens merge in the engine client) and
+        # go on once the backlog is out: still the same text, in order
+        monkeypatch.setattr(responses, "MAX_BACKLOG_BYTES", 0)
+        pauses = []
+        pause = RequestStream.pause
+        monkeypatch.setattr(RequestStream, "pause", lambda self: (pauses.append(1), pause(self)))
+        with httpx.stream("POST", url, json=body, timeout=60) as r:
+            got = _texts(r)
+        assert pauses, "no stream paused: the test tested nothing"
         assert got == expected
         assert app.state.engine_client.num_in_flight == 0
     finally:
