@@ -106,23 +106,23 @@ class StreamedResponse(Response):
         self._writer = writer
         self._prepared = p
         self._on_end = on_end
+        self._out: SyncSend | None = None
         self._outputs: _Outputs | None = None
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         p, w = self._prepared, self._writer
-        status, watcher, out = 499, None, None
+        out = self._out = SyncSend(send)
+        outputs = self._outputs = _Outputs(w, p, self._write)
+        out.on_drained = outputs.start  # after a pause for a slow client
+        status, watcher = 499, None
         try:
             await send({"type": "http.response.start", "status": 200,
                         "headers": self.raw_headers})
-            out = SyncSend(send)
             for c in p.choices:
                 if p.kind == "chat":
                     out(w._chunk(p, c.index, None, None))
                 elif c.echo:
                     out(w._chunk(p, c.index, c.echo, None))
-            outputs = _Outputs(w, p, functools.partial(self._write, out, p))
-            self._outputs = outputs
-            out.on_drained = outputs.start  # after a pause for a slow client
             outputs.start()
             watcher = asyncio.ensure_future(wait_for_disconnect(receive))
             await asyncio.wait((outputs.done, watcher), return_when=asyncio.FIRST_COMPLETED)
@@ -144,16 +144,14 @@ class StreamedResponse(Response):
         finally:
             if watcher is not None:
                 watcher.cancel()
-            if out is not None:
-                out.cancel()  # what a gone client did not take
-            for c in p.choices:
-                c.stream.abort()
-            self._outputs = None
+            out.cancel()  # what a gone client did not take
+            outputs.close()
+            self._out = self._outputs = None  # they refer back to this response
             self._on_end(status)
 
-    def _write(self, out: SyncSend, p: Prepared, c: Choice, text: str, finish: str | None,
-               lp: Any) -> None:
-        self._writer._write_step(out, p, c, text, finish, lp)
+    def _write(self, c: Choice, text: str, finish: str | None, lp: Any) -> None:
+        out = self._out
+        self._writer._write_step(out, self._prepared, c, text, finish, lp)
         if out.backlog_bytes > MAX_BACKLOG_BYTES:
             self._outputs.pause()
 

@@ -39,13 +39,18 @@ async def test_bodies_go_out_inline_while_the_transport_takes_them():
     await out.flush()
 
 
-async def test_bodies_written_while_paused_follow_in_order_joined():
+def _paused(*bodies: bytes) -> tuple[_Transport, SyncSend]:
+    """A SyncSend over a paused transport, `bodies` written to it."""
     t = _Transport()
     out = SyncSend(t.send)
     t.resumed.clear()
-    out(b"1")
-    out(b"2")
-    out(b"3")
+    for body in bodies:
+        out(body)
+    return t, out
+
+
+async def test_bodies_written_while_paused_follow_in_order_joined():
+    t, out = _paused(b"1", b"2", b"3")
     await asyncio.sleep(0.01)
     assert t.written == []
     t.resumed.set()
@@ -71,11 +76,7 @@ async def test_a_failed_send_is_raised_by_flush_and_stops_writing():
 
 
 async def test_cancel_drops_what_waits_behind_a_paused_send():
-    t = _Transport()
-    out = SyncSend(t.send)
-    t.resumed.clear()
-    out(b"1")
-    out(b"2")
+    t, out = _paused(b"1", b"2")
     await asyncio.sleep(0)
     out.cancel()
     t.resumed.set()
