@@ -18,6 +18,10 @@ Contract between the model runner (writes it) and layers/attention.py (reads it)
 - q_lens_host / seq_lens_host: python lists, q_len and seq_len of every sequence, so
                    attention can run prefills one sequence at a time without a host sync;
                    None if unknown.
+- state_slots:     int64 [num_seqs], hybrid models only: each sequence's slot in the
+                   Gated DeltaNet layers' state (layers/gated_delta_net.py); None otherwise.
+- state_slots_host: the same as a python list (None in an all-decode step, which needs
+                   only the device tensor).
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ class Context:
     num_decodes: int | None = None
     q_lens_host: list[int] | None = None
     seq_lens_host: list[int] | None = None
+    state_slots: torch.Tensor | None = None
+    state_slots_host: list[int] | None = None
 
 
 _CONTEXT: Context | None = None

@@ -75,6 +75,7 @@ class LLMEngine:
         decode_share: float = EngineConfig.decode_share,
         tensor_parallel_size: int = EngineConfig.tensor_parallel_size,
         tp_label: str = "",
+        mamba_ssm_cache_dtype: str = EngineConfig.mamba_ssm_cache_dtype,
     ):
         self.config: ModelConfig = load_model_config(model_path)
         self.max_model_len = min(
@@ -93,7 +94,17 @@ class LLMEngine:
             dtype=dtype,
             tensor_parallel_size=tensor_parallel_size,
             tp_label=tp_label,
+            max_num_seqs=max_num_seqs,
+            max_model_len=self.max_model_len,
+            ssm_state_dtype=mamba_ssm_cache_dtype,
         )
+        self._log_cache_sizes()
+        if self.config.text.is_hybrid and enable_prefix_caching:
+            # a KV block hit has no recurrent state at its boundary to resume from
+            logger.info("prefix caching is off for %s: its linear-attention layers keep a "
+                        "recurrent state that a cached KV prefix does not restore",
+                        self.config.architecture)
+            enable_prefix_caching = False
         if encoder_cache_bytes < 0:
             encoder_cache_bytes = self.model_runner.default_encoder_cache_bytes()
         self.encoder_cache = self.model_runner.encoder_cache = EncoderCache(encoder_cache_bytes)
@@ -109,6 +120,7 @@ class LLMEngine:
             eos_token_ids=self.config.eos_token_ids,
             enable_prefix_caching=enable_prefix_caching,
             decode_share=decode_share,
+            num_state_slots=self.model_runner.num_state_slots,
         )
         self.structured = self.model_runner.structured = StructuredOutputs(
             model_path, self.config.text.vocab_size, self.config.eos_token_ids)
@@ -138,7 +150,21 @@ class LLMEngine:
             decode_share=config.decode_share,
             tensor_parallel_size=config.tensor_parallel_size,
             tp_label=f"engine {config.rank}",
+            mamba_ssm_cache_dtype=config.mamba_ssm_cache_dtype,
         )
+
+    def _log_cache_sizes(self) -> None:
+        runner = self.model_runner
+        text = self.config.text
+        line = (f"KV cache: {runner.num_kv_blocks} blocks of {runner.block_size} tokens, "
+                f"{runner.kv_cache_bytes / 2**20:.1f} MiB over {text.num_attention_layers} "
+                "attention layers")
+        if runner.state_shape is not None:
+            line += (f"; recurrent state: {runner.num_state_slots} slots of "
+                     f"{runner.state_shape.slot_bytes / 2**20:.2f} MiB, "
+                     f"{runner.state_cache_bytes / 2**20:.1f} MiB over {text.num_linear_layers} "
+                     f"linear layers ({str(runner.state_shape.ssm_dtype).removeprefix('torch.')})")
+        logger.info(line)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any."""
@@ -257,6 +283,10 @@ class LLMEngine:
             encoder_cache_queries=cache.num_queries,
             encoder_cache_hits=cache.num_hits,
             num_preemptions=self.scheduler.num_preemptions,
+            kv_cache_bytes=self.model_runner.kv_cache_bytes,
+            state_cache_bytes=self.model_runner.state_cache_bytes,
+            num_state_slots_free=(0 if self.scheduler.state_slots is None
+                                  else self.scheduler.state_slots.num_free),
         )
 
     def take_encoder_key_changes(self) -> tuple[list[bytes], list[bytes]]:

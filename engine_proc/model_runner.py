@@ -29,6 +29,7 @@ from engine_proc.models.registry import model_class
 from engine_proc.sampler import GrammarMask, Sampler, SamplingBatch
 from engine_proc.scheduler import ScheduledBatch
 from engine_proc.sequence import ImageSpan, Sequence
+from engine_proc.state_cache import StateShape, allocate_state_cache, plan_state_slots
 from engine_proc.step_inputs import ImagePieces, StepInputs, forward_step
 from engine_proc.tensor_parallel import TensorParallelWorkers, rank_device
 from shared.messages import TokenLogprobs
@@ -95,10 +96,18 @@ class ModelRunner:
         tensor_parallel_size: int = 1,
         tp_label: str = "",
         vision: bool = True,
+        max_num_seqs: int = 0,
+        max_model_len: int = 0,
+        ssm_state_dtype: str | None = None,
     ):
         """tensor_parallel_size > 1: this runner is rank 0 and starts the other ranks
         (engine_proc/tensor_parallel.py; `tp_label` names them); vision=False: a worker
-        rank's runner, without the vision tower, in the group its process joined."""
+        rank's runner, without the vision tower, in the group its process joined.
+
+        Hybrid models (Qwen3.5) get a recurrent state slot for each of `max_num_seqs`
+        sequences, carved from the budget before the KV blocks (engine_proc/state_cache.py;
+        `num_state_slots` may come out lower); `ssm_state_dtype` overrides the checkpoint's
+        recurrent state dtype (None or "auto": the checkpoint's, float32 as published)."""
         self.config = config
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, config)
@@ -117,17 +126,21 @@ class ModelRunner:
                 kv_cache_memory_fraction=kv_cache_memory_fraction,
                 gpu_memory_utilization=gpu_memory_utilization,
                 max_num_kv_blocks=max_num_kv_blocks, device=str(self.device),
-                dtype=str(self.dtype).removeprefix("torch.")), label=tp_label)
+                dtype=str(self.dtype).removeprefix("torch."), max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len, ssm_state_dtype=ssm_state_dtype), label=tp_label)
         try:
             self.model = model_class(config)(config, self.device, self.dtype, vision=vision)
             self.model.load_weights(config.path)
             self.model.eval()
-            num_blocks = self._num_kv_blocks(
+            self.state_shape = self._state_shape(ssm_state_dtype)
+            self.max_model_len = max_model_len or config.text.max_position_embeddings
+            num_blocks, num_slots = self._size_caches(
                 num_kv_blocks, kv_cache_memory_bytes, kv_cache_memory_fraction,
-                max_num_kv_blocks, gpu_memory_utilization,
+                max_num_kv_blocks, gpu_memory_utilization, max_num_seqs,
             )
-            # every rank sized its own share of the KV cache: all take the smallest count
+            # every rank sized its own share of the caches: all take the smallest counts
             self.num_kv_blocks = all_reduce_min(num_blocks, tp_shard(), self.device)
+            self.num_state_slots = all_reduce_min(num_slots, tp_shard(), self.device)
         except BaseException:
             self.close()
             raise
@@ -141,6 +154,10 @@ class ModelRunner:
         self.sampler = Sampler()
         self.structured = None  # StructuredOutputs, set by the engine
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
+        self.state_cache = None
+        if self.state_shape is not None:
+            self.state_cache = allocate_state_cache(self.model, self.state_shape,
+                                                    self.num_state_slots, self.device)
         self.encoder_cache = EncoderCache(0)  # sized by the engine (default_encoder_cache_bytes)
 
     def close(self) -> None:
@@ -163,12 +180,62 @@ class ModelRunner:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return (
             2
-            * text.num_hidden_layers
+            * text.num_attention_layers
             * self.block_size
             * self.num_local_kv_heads
             * text.head_dim
             * elem
         )
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_kv_blocks * self.kv_block_bytes
+
+    @property
+    def state_cache_bytes(self) -> int:
+        if self.state_shape is None:
+            return 0
+        return self.num_state_slots * self.state_shape.slot_bytes
+
+    def _state_shape(self, ssm_state_dtype: str | None) -> StateShape | None:
+        text = self.config.text
+        if not text.is_hybrid:
+            return None
+        name = ssm_state_dtype if ssm_state_dtype not in (None, "auto") else text.ssm_state_dtype
+        if name not in DTYPES:
+            raise ValueError(f"unsupported recurrent state dtype {name!r}")
+        return StateShape.of(text, tp_shard().size, self.dtype, DTYPES[name])
+
+    def _size_caches(self, num_kv_blocks, memory_bytes, memory_fraction, max_num_kv_blocks,
+                     gpu_memory_utilization, max_num_seqs) -> tuple[int, int]:
+        """(KV blocks, state slots). The state slots come out of an explicit or device
+        budget first; the CPU default is CPU_KV_CACHE_BYTES of KV plus the slots."""
+        if self.state_shape is None:
+            return self._num_kv_blocks(num_kv_blocks, memory_bytes, memory_fraction,
+                                       max_num_kv_blocks, gpu_memory_utilization), 0
+        if max_num_seqs < 1:
+            raise ValueError("a hybrid model needs max_num_seqs to size its state slots")
+        slot_bytes = self.state_shape.slot_bytes
+        if num_kv_blocks or (memory_bytes is None and not self.on_cuda):
+            num_slots = max_num_seqs
+        else:
+            budget = memory_bytes if memory_bytes is not None else self._device_budget(
+                memory_fraction, gpu_memory_utilization)
+            full_sequence = -(-self.max_model_len // self.block_size) * self.kv_block_bytes
+            num_slots = plan_state_slots(max_num_seqs, slot_bytes, budget, full_sequence)
+            memory_bytes = budget - num_slots * slot_bytes
+        num_blocks = self._num_kv_blocks(num_kv_blocks, memory_bytes, memory_fraction,
+                                         max_num_kv_blocks, gpu_memory_utilization)
+        return num_blocks, num_slots
+
+    def _device_budget(self, memory_fraction: float, gpu_memory_utilization: float | None) -> int:
+        """The caches' bytes on CUDA when no budget is given: vLLM's meaning of
+        gpu_memory_utilization (this share of the whole device, less what is in use now:
+        weights, the CUDA context, other processes), else a share of what is free."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        if gpu_memory_utilization is not None:
+            return int(total * gpu_memory_utilization) - (total - free)
+        return int(free * memory_fraction)
 
     def _num_kv_blocks(
         self,
@@ -183,14 +250,8 @@ class ModelRunner:
         if gpu_memory_utilization is not None and not self.on_cuda:
             raise ValueError("gpu_memory_utilization applies to GPUs; on a CPU set "
                              "kv_cache_memory_bytes")
-        if memory_bytes is None and self.on_cuda and gpu_memory_utilization is not None:
-            # vLLM's meaning: this share of the whole device, less what is in use now
-            # (weights, the CUDA context, other processes)
-            free, total = torch.cuda.mem_get_info(self.device)
-            memory_bytes = int(total * gpu_memory_utilization) - (total - free)
-        elif memory_bytes is None and self.on_cuda:
-            free, _ = torch.cuda.mem_get_info(self.device)
-            memory_bytes = int(free * memory_fraction)
+        if memory_bytes is None and self.on_cuda:
+            memory_bytes = self._device_budget(memory_fraction, gpu_memory_utilization)
         elif memory_bytes is None:
             memory_bytes = CPU_KV_CACHE_BYTES
         num = memory_bytes // self.kv_block_bytes
@@ -214,9 +275,9 @@ class ModelRunner:
         layers = [
             m for m in self.model.modules() if hasattr(m, "k_cache") and hasattr(m, "v_cache")
         ]
-        if len(layers) != text.num_hidden_layers:
+        if len(layers) != text.num_attention_layers:
             raise RuntimeError(
-                f"found {len(layers)} attention layers, expected {text.num_hidden_layers}"
+                f"found {len(layers)} attention layers, expected {text.num_attention_layers}"
             )
         shape = (
             2,
@@ -299,6 +360,8 @@ class ModelRunner:
             all_decode=batch.all_decode,
             num_decodes=batch.num_decode_seqs,
             image_rows=NO_IMAGE_ROWS,
+            state_slots=None if self.state_shape is None else np.fromiter(
+                (s.state_slot for s in batch.seqs), dtype=np.int64, count=len(batch.seqs)),
         )
         return inputs, sample_seqs
 

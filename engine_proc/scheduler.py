@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 from engine_proc.block_manager import BlockManager
 from engine_proc.sequence import ImageSpan, Sequence, SequenceStatus
+from engine_proc.state_cache import StateSlots
 
 
 class RequestRejected(ValueError):
@@ -172,7 +173,10 @@ class Scheduler:
         eos_token_ids: tuple[int, ...] = (),
         enable_prefix_caching: bool = True,
         decode_share: float = 0.0,
+        num_state_slots: int = 0,
     ):
+        """num_state_slots: hybrid models' recurrent state slots (engine_proc/state_cache.py),
+        one per running sequence; 0 for models without."""
         if max_num_batched_tokens < max_num_seqs:
             # every running sequence must get its decode token each step, or some starve
             raise ValueError(
@@ -180,6 +184,9 @@ class Scheduler:
                 f"max_num_seqs ({max_num_seqs})"
             )
         self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
+        self.state_slots = StateSlots(num_state_slots) if num_state_slots else None
+        if num_state_slots:
+            max_num_seqs = min(max_num_seqs, num_state_slots)  # a slot for every running one
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -315,6 +322,8 @@ class Scheduler:
             self.num_prefix_cache_queries += seq.num_tokens
             self.num_prefix_cache_hits += num_cached_tokens
         seq.num_computed_tokens = num_cached_tokens
+        if self.state_slots is not None:
+            seq.state_slot = self.state_slots.take()
         if seq.scheduled_at is None:
             seq.scheduled_at = time.monotonic()
         if num_cached_tokens and seq.has_images:
@@ -346,11 +355,17 @@ class Scheduler:
         assert not seq.has_images, "sequences with images are never preempted (R3)"
         self.running.remove(seq)
         self.block_manager.free(seq)
+        self._free_state_slot(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def _free_state_slot(self, seq: Sequence) -> None:
+        if seq.state_slot >= 0:
+            self.state_slots.free(seq.state_slot)
+            seq.state_slot = -1
 
     def postprocess(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> list[Sequence]:
         """Account for a finished step; returns the sequences that got a token, in batch
@@ -395,6 +410,7 @@ class Scheduler:
         else:
             return
         self.block_manager.free(seq)
+        self._free_state_slot(seq)
         seq.release_multimodal()
         seq.generator = None
         seq.grammar = None

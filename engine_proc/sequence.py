@@ -94,6 +94,7 @@ class Sequence:
         # and how many leading blocks of block_table the block manager holds as cached
         self.block_hashes: list[bytes] = []
         self.num_cached_blocks = 0
+        self.state_slot = -1  # hybrid models: its recurrent state slot while running
         self.images: list[ImageSpan] = images or []
         self.has_images = bool(self.images)
         # mRoPE positions of the prompt ([3, num_prompt_tokens]) and the offset for later

@@ -19,7 +19,7 @@ from engine_proc.context import Context, reset_context, set_context
 
 # header fields, in order
 HEADER_FIELDS = ("op", "num_tokens", "num_seqs", "table_width", "num_samples", "all_decode",
-                 "num_decodes", "num_pieces", "image_width")
+                 "num_decodes", "num_pieces", "image_width", "has_state_slots")
 HEADER_BYTES = 8 * len(HEADER_FIELDS)
 OP_STEP, OP_EXIT = 1, 2
 
@@ -40,6 +40,7 @@ class StepInputs:
     num_decodes: int  # leading q_len == 1 sequences
     image_rows: np.ndarray  # int64 [P, 2]: (first row, number of rows) of each image piece
     image_width: int = 0  # columns of the image rows (hidden, or hidden * (1 + k) DeepStack)
+    state_slots: np.ndarray | None = None  # int64 [S]: hybrid models' state slot per sequence
 
     def context(self, to_device: Callable[[np.ndarray], torch.Tensor]) -> Context:
         q_lens = np.diff(self.query_start_loc)
@@ -56,6 +57,9 @@ class StepInputs:
             num_decodes=self.num_decodes,
             q_lens_host=None if self.all_decode else q_lens.tolist(),
             seq_lens_host=None if self.all_decode else self.seq_lens.tolist(),
+            state_slots=None if self.state_slots is None else to_device(self.state_slots),
+            state_slots_host=(None if self.state_slots is None or self.all_decode
+                              else self.state_slots.tolist()),
         )
 
     # ---- wire form
@@ -63,26 +67,28 @@ class StepInputs:
     def encode(self) -> list[bytes | memoryview]:
         """The header and the payload, to be written in this order."""
         num_seqs, width = self.block_tables.shape
+        has_slots = self.state_slots is not None
         header = np.array([OP_STEP, len(self.input_ids), num_seqs, width, len(self.sample_rows),
                            int(self.all_decode), self.num_decodes, len(self.image_rows),
-                           self.image_width], dtype=np.int64)
+                           self.image_width, int(has_slots)], dtype=np.int64)
+        slots = self.state_slots if has_slots else np.zeros(num_seqs, dtype=np.int64)
         payload = np.concatenate([
             self.input_ids, self.positions.reshape(-1), self.query_start_loc, self.seq_lens,
             self.slot_mapping, self.block_tables.reshape(-1), self.sample_rows,
-            self.image_rows.reshape(-1)], dtype=np.int64)
+            self.image_rows.reshape(-1), slots], dtype=np.int64)
         return [header.data, payload.data]
 
     @staticmethod
     def payload_bytes(header: np.ndarray) -> int:
-        _, t, s, b, n, _, _, p, _ = header.tolist()
-        return 8 * (t + 3 * t + (s + 1) + s + t + s * b + n + 2 * p)
+        _, t, s, b, n, _, _, p, _, _ = header.tolist()
+        return 8 * (t + 3 * t + (s + 1) + s + t + s * b + n + 2 * p + s)
 
     @classmethod
     def decode(cls, header: np.ndarray, payload: bytes | bytearray) -> StepInputs:
-        _, t, s, b, n, all_decode, num_decodes, p, width = header.tolist()
+        _, t, s, b, n, all_decode, num_decodes, p, width, has_slots = header.tolist()
         flat = np.frombuffer(payload, dtype=np.int64)
-        sizes = [t, 3 * t, s + 1, s, t, s * b, n, 2 * p]
-        ids, pos, qsl, seq_lens, slots, tables, samples, images = np.split(
+        sizes = [t, 3 * t, s + 1, s, t, s * b, n, 2 * p, s]
+        ids, pos, qsl, seq_lens, slots, tables, samples, images, state_slots = np.split(
             flat, np.cumsum(sizes)[:-1])
         return cls(
             input_ids=ids, positions=pos.reshape(3, t),
@@ -90,6 +96,7 @@ class StepInputs:
             slot_mapping=slots, block_tables=tables.astype(np.int32).reshape(s, b),
             sample_rows=samples, all_decode=bool(all_decode), num_decodes=num_decodes,
             image_rows=images.reshape(p, 2), image_width=width,
+            state_slots=state_slots if has_slots else None,
         )
 
 

@@ -75,6 +75,10 @@ class EngineConfig:
         "whole on the first rank. On a CPU the ranks share its cores: with few cores it is "
         "not faster than 1 (see README)")
     log_level: str = opt("info", "log level")
+    mamba_ssm_cache_dtype: str = opt(
+        "auto", "hybrid models (Qwen3.5): dtype of each sequence's recurrent state (auto: the "
+        "checkpoint's mamba_ssm_dtype, float32 as published; vLLM's flag)",
+        choices=("auto", "float32", "bfloat16", "float16"))
     encoder_cache_bytes: int = opt(
         -1, "bytes of vision embeddings kept for images seen again (skips the vision tower "
         "and, with the API's image keys, the pixels' trip); 0 turns it off; -1: an eighth of "

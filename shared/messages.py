@@ -119,6 +119,9 @@ class EngineStats:
     encoder_cache_hits: int = 0  # images that skipped the vision tower
     num_preemptions: int = 0  # cumulative
     rss_bytes: int = 0  # of the engine process, refreshed about once a second
+    kv_cache_bytes: int = 0  # allocated at start (this rank's share under TP)
+    state_cache_bytes: int = 0  # hybrid models' recurrent state slots, allocated at start
+    num_state_slots_free: int = 0
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Checkpoint settings of the supported vision-language families (Qwen2-VL, Qwen2.5-VL,
-Qwen3-VL dense and MoE), read from a local folder in either config layout.
+Qwen3-VL dense and MoE, Qwen3.5 dense and MoE), read from a local folder in either config
+layout.
 
 The family comes from config.json's `architectures` (else its `model_type`); anything
 else fails here, by name, with the list of supported architectures.
@@ -22,7 +23,11 @@ ARCHITECTURES = {
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
     "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
 }
+FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
+HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
 _BY_MODEL_TYPE = {model_type: arch for arch, model_type in ARCHITECTURES.items()}
 
 
@@ -78,16 +83,74 @@ class TextConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # Qwen3.5: hybrid decoders. `layer_types` names each layer's token mixer (empty: all
+    # full attention); linear layers are Gated DeltaNet with a per-sequence state.
+    layer_types: tuple[str, ...] = ()
+    partial_rotary_factor: float = 1.0  # the share of head_dim the rotary turns
+    attn_output_gate: bool = False  # q_proj also yields a sigmoid gate on the output
+    zero_centered_norm: bool = False  # decoder RMSNorms scale by (1 + w), in fp32
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    ssm_state_dtype: str = "float32"  # the recurrent state's (checkpoints: mamba_ssm_dtype)
+    shared_expert_intermediate_size: int = 0  # MoE: a shared expert beside the routed ones
 
     def is_moe_layer(self, index: int) -> bool:
         return (self.num_experts > 0 and index not in self.mlp_only_layers
                 and (index + 1) % self.decoder_sparse_step == 0)
 
+    def is_linear_layer(self, index: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[index] == LINEAR_ATTENTION
+
+    @property
+    def is_hybrid(self) -> bool:
+        return LINEAR_ATTENTION in self.layer_types
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers with a KV cache (full attention)."""
+        return self.num_hidden_layers - self.num_linear_layers
+
+    @property
+    def num_linear_layers(self) -> int:
+        """Gated DeltaNet layers, each with a state slot per sequence."""
+        return sum(t == LINEAR_ATTENTION for t in self.layer_types)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of a Gated DeltaNet layer's causal conv: q, k and v."""
+        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
+                + self.linear_num_value_heads * self.linear_value_head_dim)
+
     def __post_init__(self) -> None:
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        if sum(self.mrope_section) * 2 != self.head_dim:
-            raise ValueError(f"mrope_section {self.mrope_section} does not cover head_dim {self.head_dim}")
+        if sum(self.mrope_section) * 2 != self.rotary_dim:
+            raise ValueError(f"mrope_section {self.mrope_section} does not cover the rotary "
+                             f"dimension {self.rotary_dim} (head_dim {self.head_dim})")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(f"layer_types names {len(self.layer_types)} layers but "
+                                 f"num_hidden_layers is {self.num_hidden_layers}")
+            unknown = sorted(set(self.layer_types) - {FULL_ATTENTION, LINEAR_ATTENTION})
+            if unknown:
+                raise ValueError(f"layer_types has unknown layer types {unknown}; flatserve "
+                                 f"implements {FULL_ATTENTION!r} and {LINEAR_ATTENTION!r}")
+        if self.is_hybrid:
+            if self.linear_num_key_heads < 1 or self.linear_num_value_heads % self.linear_num_key_heads:
+                raise ValueError(f"linear_num_value_heads ({self.linear_num_value_heads}) must be "
+                                 f"a multiple of linear_num_key_heads ({self.linear_num_key_heads})")
+            if not self.num_attention_layers:
+                raise ValueError("layer_types has no full_attention layer; flatserve's hybrid "
+                                 "decoders need at least one")
+            if self.ssm_state_dtype not in ("float32", "bfloat16", "float16"):
+                raise ValueError(f"unsupported recurrent state dtype {self.ssm_state_dtype!r}")
 
 
 @dataclass(frozen=True)
@@ -150,7 +213,8 @@ def _architecture(cfg: dict) -> str:
 
 # transformers' mrope_section when a config names none (it fits head_dim 128)
 _DEFAULT_MROPE_SECTION = {"qwen2_vl": (16, 24, 24), "qwen2_5_vl": (16, 24, 24),
-                          "qwen3_vl": (24, 20, 20), "qwen3_vl_moe": (24, 20, 20)}
+                          "qwen3_vl": (24, 20, 20), "qwen3_vl_moe": (24, 20, 20),
+                          "qwen3_5": (11, 11, 10), "qwen3_5_moe": (11, 11, 10)}
 
 
 def _rope(text: dict, model_type: str) -> tuple[float, tuple[int, int, int], bool]:
@@ -232,6 +296,38 @@ def _image_processor(path: Path, vision: VisionConfig) -> ImageProcessorConfig:
     )
 
 
+def _layer_types(text: dict) -> tuple[str, ...]:
+    """As transformers: the config's list, else every `full_attention_interval`-th layer
+    (default 4) full attention and the rest linear."""
+    types = text.get("layer_types")
+    if types is not None:
+        return tuple(str(t) for t in types)
+    interval = int(text.get("full_attention_interval", 4))
+    return tuple(FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION
+                 for i in range(int(text["num_hidden_layers"])))
+
+
+def _hybrid_fields(cfg: dict, text: dict) -> dict:
+    """Qwen3.5's TextConfig fields: the layer pattern, Gated DeltaNet shapes, gated and
+    partially rotary attention, zero-centred norms, the shared expert."""
+    params = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    factor = params.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+    state_dtype = text.get("mamba_ssm_dtype") or cfg.get("mamba_ssm_dtype") or "float32"
+    return dict(
+        layer_types=_layer_types(text),
+        partial_rotary_factor=float(factor),
+        attn_output_gate=bool(text.get("attn_output_gate", True)),
+        zero_centered_norm=True,
+        linear_num_key_heads=int(text["linear_num_key_heads"]),
+        linear_num_value_heads=int(text["linear_num_value_heads"]),
+        linear_key_head_dim=int(text["linear_key_head_dim"]),
+        linear_value_head_dim=int(text["linear_value_head_dim"]),
+        linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
+        ssm_state_dtype=str(state_dtype).removeprefix("torch."),
+        shared_expert_intermediate_size=int(text.get("shared_expert_intermediate_size") or 0),
+    )
+
+
 def load_model_config(path: str | Path) -> ModelConfig:
     path = Path(path)
     file = path / "config.json"
@@ -243,10 +339,12 @@ def load_model_config(path: str | Path) -> ModelConfig:
     qwen3 = model_type.startswith("qwen3")
     text = _text_section(cfg)
     theta, section, interleaved = _rope(text, model_type)
+    moe = model_type in ("qwen3_vl_moe", "qwen3_5_moe")
     text_config = TextConfig(
         vocab_size=int(text["vocab_size"]),
         hidden_size=int(text["hidden_size"]),
-        intermediate_size=int(text["intermediate_size"]),
+        # transformers deletes it from Qwen3.5-MoE's config (every layer is sparse)
+        intermediate_size=int(text.get("intermediate_size") or 0),
         num_hidden_layers=int(text["num_hidden_layers"]),
         num_attention_heads=int(text["num_attention_heads"]),
         num_key_value_heads=int(text.get("num_key_value_heads", text["num_attention_heads"])),
@@ -262,12 +360,14 @@ def load_model_config(path: str | Path) -> ModelConfig:
         mrope_interleaved=interleaved,
         # published configs say num_experts; transformers 5 saves num_local_experts
         num_experts=(int(text.get("num_experts") or text.get("num_local_experts") or 0)
-                     if model_type == "qwen3_vl_moe" else 0),
+                     if moe else 0),
         num_experts_per_tok=int(text.get("num_experts_per_tok", 0)),
         moe_intermediate_size=int(text.get("moe_intermediate_size", 0)),
-        norm_topk_prob=bool(text.get("norm_topk_prob", True)),
+        # Qwen3.5-MoE always renormalizes its top-k weights
+        norm_topk_prob=model_type in HYBRID_MODEL_TYPES or bool(text.get("norm_topk_prob", True)),
         decoder_sparse_step=int(text.get("decoder_sparse_step", 1)),
         mlp_only_layers=tuple(int(i) for i in text.get("mlp_only_layers") or ()),
+        **(_hybrid_fields(cfg, text) if model_type in HYBRID_MODEL_TYPES else {}),
     )
     vision = _vision(cfg["vision_config"], model_type, text_config.hidden_size)
     dtype = cfg.get("torch_dtype") or cfg.get("dtype") or text.get("dtype") or "float32"
@@ -293,9 +393,15 @@ def tensor_parallel_problem(config: ModelConfig, size: int) -> str | None:
     if size == 1:
         return None
     text = config.text
-    names = ["num_attention_heads", "num_key_value_heads", "intermediate_size"]
+    names = ["num_attention_heads", "num_key_value_heads"]
+    if text.intermediate_size:
+        names.append("intermediate_size")
     if text.num_experts:
         names.append("moe_intermediate_size")
+    if text.shared_expert_intermediate_size:
+        names.append("shared_expert_intermediate_size")
+    if text.is_hybrid:
+        names += ["linear_num_key_heads", "linear_num_value_heads"]
     for name in names:
         value = getattr(text, name)
         if value % size:

@@ -15,6 +15,8 @@ family's.
   4 experts top 2, one dense layer), DeepStack taps in a 5- and 4-block tower, built by
   transformers from the same seed, with Qwen3-VL's preprocessor config (patch 16, mean
   and std 0.5).
+- `tiny-qwen3.5`, `tiny-qwen3.5-moe`, `qwen3.5-0.8b`: the hybrid family
+  (shared/qwen3_5_checkpoints.py).
 - `3b`, `7b`: the real shapes of Qwen2.5-VL-3B/7B-Instruct, to measure performance at scale.
   Their weights are streamed tensor by tensor into bf16 safetensors shards with an index,
   so memory stays bounded whatever the model size (7.5 GB and 16.6 GB of disk).
@@ -28,14 +30,19 @@ import os
 import shutil
 import struct
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 from shared.model_config import TextConfig, VisionConfig
+from shared.preset import CHECKPOINT_VERSION, SAFETENSORS_DTYPES, SEED, Preset
+from shared.qwen3_5_checkpoints import (
+    QWEN3_5_0_8B,
+    TINY_QWEN3_5,
+    TINY_QWEN3_5_MOE,
+    qwen3_5_config,
+)
 
 DATA_DIR = Path(__file__).parent / "data"
-CHECKPOINT_VERSION = "v1"
-SEED = 1234
 MAX_SHARD_BYTES = 4 * 10**9  # transformers' "4GB": Qwen2.5-VL-3B ships as 2 shards, 7B as 5
 CHUNK_ELEMENTS = 1 << 23  # streamed weights are drawn and written this many at a time
 
@@ -87,31 +94,6 @@ QWEN3_VL_PREPROCESSOR_CONFIG = {
     "temporal_patch_size": 2,
     "merge_size": 2,
 }
-_SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
-
-
-@dataclass(frozen=True)
-class Preset:
-    """One random checkpoint. `text.vocab_size` may exceed the shared tokenizer's vocabulary
-    (the extra rows are never looked up), never fall short of it."""
-
-    name: str  # the cache folder is f"{name}-{CHECKPOINT_VERSION}"
-    text: TextConfig
-    vision: VisionConfig
-    dtype: str  # of the weights on disk: "float32", "bfloat16" or "float16"
-    initializer_range: float
-    # True: build the transformers model from SEED and save it in one file (the tiny
-    # checkpoint, whose bytes tests pin). False: stream normal(0, initializer_range)
-    # matrices, ones for norms and zeros for biases into shards, never holding the model.
-    materialize: bool = False
-    architecture: str = "Qwen2_5_VLForConditionalGeneration"  # a key of _CONFIG_BUILDERS
-
-    def __post_init__(self) -> None:
-        if self.dtype not in _SAFETENSORS_DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(_SAFETENSORS_DTYPES)}")
-        if not self.materialize and self.architecture != "Qwen2_5_VLForConditionalGeneration":
-            raise ValueError(f"{self.name}: only Qwen2.5-VL weights are streamed; "
-                             "set materialize=True")
 
 
 TINY = Preset(
@@ -310,6 +292,9 @@ PRESETS = {
     "7b": QWEN2_5_VL_7B,
     "tiny-qwen3-vl": TINY_QWEN3_VL,
     "tiny-qwen3-vl-moe": TINY_QWEN3_VL_MOE,
+    "tiny-qwen3.5": TINY_QWEN3_5,
+    "tiny-qwen3.5-moe": TINY_QWEN3_5_MOE,
+    "qwen3.5-0.8b": QWEN3_5_0_8B,
 }
 
 
@@ -390,7 +375,7 @@ def preprocessor_config(preset: Preset) -> dict:
     """The family's preprocessor config with the tower's patch and merge sizes."""
     v = preset.vision
     base = PREPROCESSOR_CONFIG
-    if preset.architecture.startswith("Qwen3VL"):
+    if preset.architecture.startswith(("Qwen3VL", "Qwen3_5")):
         factor = v.patch_size * v.spatial_merge_size
         base = {**QWEN3_VL_PREPROCESSOR_CONFIG,
                 "size": {"shortest_edge": 4 * factor * factor, "longest_edge": 4096 * 4096}}
@@ -660,6 +645,8 @@ _CONFIG_BUILDERS = {
     "Qwen2_5_VLForConditionalGeneration": _qwen2_5_vl_config,
     "Qwen3VLForConditionalGeneration": _qwen3_vl_config,
     "Qwen3VLMoeForConditionalGeneration": _qwen3_vl_config,
+    "Qwen3_5ForConditionalGeneration": qwen3_5_config,
+    "Qwen3_5MoeForConditionalGeneration": qwen3_5_config,
 }
 
 
@@ -693,7 +680,7 @@ def _write_streamed_weights(folder: Path, preset: Preset, max_shard_bytes: int) 
     for i, shard in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         with open(folder / file, "wb") as f:
-            f.write(_safetensors_header(shard, _SAFETENSORS_DTYPES[preset.dtype], itemsize))
+            f.write(_safetensors_header(shard, SAFETENSORS_DTYPES[preset.dtype], itemsize))
             for name, shape, init in shard:
                 numel = math.prod(shape)
                 for start in range(0, numel, CHUNK_ELEMENTS):

@@ -26,3 +26,34 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+
+class ZeroCenteredRMSNorm(RMSNorm):
+    """Qwen3.5's decoder norm: the checkpoint's weight is centred on zero and the output is
+    norm(x) * (1 + w), all in fp32 with one cast at the end (HF's rounding, as vLLM's
+    GemmaRMSNorm). The weight keeps the checkpoint's values."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__(hidden_size, eps)
+        nn.init.zeros_(self.weight)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True).add_(self.eps))
+        return h.mul_(self.weight.float() + 1.0).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """A Gated DeltaNet layer's output norm: w * norm(x), then * silu(gate), statistics
+    and gate in fp32 (the norm before the gate, HF's order and rounding)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True).add_(self.eps))
+        h = self.weight * h.to(x.dtype)
+        return (h * torch.nn.functional.silu(gate.float())).to(x.dtype)

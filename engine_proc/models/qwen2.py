@@ -93,6 +93,8 @@ class Qwen2Model(nn.Module):
     """The decoder stack. Subclasses give their own layers (`make_layer`); DeepStack
     features (Qwen3-VL) are added to the hidden states after the first k layers."""
 
+    norm_class: type[nn.Module] = RMSNorm
+
     def __init__(self, cfg: TextConfig, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__()
         self.hidden_size = cfg.hidden_size
@@ -100,9 +102,9 @@ class Qwen2Model(nn.Module):
         self.layers = nn.ModuleList(
             [self.make_layer(cfg, i) for i in range(cfg.num_hidden_layers)]
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = MRotaryEmbedding(
-            cfg.head_dim,
+            cfg.rotary_dim,
             cfg.max_position_embeddings,
             cfg.rope_theta,
             cfg.mrope_section,

@@ -57,6 +57,23 @@ class FusedExperts(nn.Module):
                 tensor = tensor[:, :, start:end]
         param.copy_(tensor)
 
+    def load_expert(self, key: str, param: torch.Tensor, expert: int, projection: str,
+                    tensor: torch.Tensor) -> None:
+        """One expert's matrix as transformers 5.24 saves Qwen3.5-MoE (`experts.{i}.gate_proj`
+        [inter, hidden], `up_proj` likewise, `down_proj` [hidden, inter]): this rank's rows
+        of gate and up, the same columns of down."""
+        start, end = self.rows
+        local = end - start
+        if projection == "down_proj":
+            part, target = tensor[:, start:end], param[expert]
+        else:
+            offset = 0 if projection == "gate_proj" else local
+            part, target = tensor[start:end], param[expert, offset : offset + local]
+        if part.shape != target.shape:
+            raise ValueError(f"{key}: shape {tuple(tensor.shape)} does not fit expert {expert} "
+                             f"of {tuple(param.shape)}")
+        target.copy_(part)
+
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], experts int64 [T, k], weights [T, k] -> weighted sum [T, hidden]."""
         if can_group(x, self.down_proj.shape[2]):

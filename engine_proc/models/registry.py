@@ -19,6 +19,10 @@ _CLASSES = {
         "engine_proc.models.qwen3_vl", "Qwen3VLForConditionalGeneration"),
     "Qwen3VLMoeForConditionalGeneration": (
         "engine_proc.models.qwen3_vl", "Qwen3VLMoeForConditionalGeneration"),
+    "Qwen3_5ForConditionalGeneration": (
+        "engine_proc.models.qwen3_5", "Qwen3_5ForConditionalGeneration"),
+    "Qwen3_5MoeForConditionalGeneration": (
+        "engine_proc.models.qwen3_5", "Qwen3_5MoeForConditionalGeneration"),
 }
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,11 +29,22 @@ PACKED = {
     "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
+    # Gated DeltaNet (Qwen3.5): q/k/v, the output gate z, and the b/a heads
+    "in_proj_qkv": ("in_proj", 0),
+    "in_proj_z": ("in_proj", 1),
+    "in_proj_b": ("in_proj", 2),
+    "in_proj_a": ("in_proj", 3),
 }
+# Qwen3.5-MoE saved by transformers 5.24: one tensor per expert and projection
+PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# multi-token-prediction heads (Qwen3.5's mtp.*): speculative decoding, not served here
+SKIPPED_PREFIXES = ("mtp.",)
 # transformers 5 saves the inner model's children under model.*; published Qwen2.5-VL
 # checkpoints (and these modules) use model.* for the decoder and visual.* for the tower.
 PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
 INDEX_FILE = "model.safetensors.index.json"
+
+logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -44,12 +57,16 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def local_name(name: str) -> tuple[str, int | None]:
-    """Checkpoint tensor name -> (this module's parameter name, shard of a merged layer)."""
+def _renamed(name: str) -> str:
     for old, new in PREFIXES:
         if name.startswith(old):
-            name = new + name[len(old) :]
-            break
+            return new + name[len(old) :]
+    return name
+
+
+def local_name(name: str) -> tuple[str, int | None]:
+    """Checkpoint tensor name -> (this module's parameter name, shard of a merged layer)."""
+    name = _renamed(name)
     parts = name.split(".")
     if len(parts) >= 2 and parts[-2] in PACKED:
         merged, shard = PACKED[parts[-2]]
@@ -121,9 +138,16 @@ def load_checkpoint(model: nn.Module, path: str | Path, tied: bool,
     params = dict(model.named_parameters())
     needed = _needed(model, tied)
     loaded: set[tuple[str, int | None]] = set()
+    experts = _ExpertTensors(model, params)
+    num_skipped = 0
     for file in checkpoint_files(Path(path)):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for key in f.keys():
+                if key.startswith(SKIPPED_PREFIXES):
+                    num_skipped += 1
+                    continue
+                if experts.load(f, key):
+                    continue
                 name, shard = local_name(key)
                 if (tied and name == "lm_head.weight") or name.startswith(skip_prefixes):
                     continue
@@ -134,6 +158,10 @@ def load_checkpoint(model: nn.Module, path: str | Path, tied: bool,
                 owner = _owner(model, name)
                 _copy(owner, key, shard, _read(f, key, owner, name, shard), params[name])
                 loaded.add((name, shard))
+    if num_skipped:
+        logger.info("skipped %d multi-token-prediction tensors (mtp.*): flatserve does not "
+                    "run speculative decoding", num_skipped)
+    loaded |= experts.complete()
     missing = needed - loaded
     if missing:
         names = sorted(f"{n}[{s}]" if s is not None else n for n, s in missing)
@@ -141,3 +169,37 @@ def load_checkpoint(model: nn.Module, path: str | Path, tied: bool,
     device = next(model.parameters()).device
     if device.type == "cpu":
         store_weights_transposed(model)
+
+
+class _ExpertTensors:
+    """Per-expert checkpoint tensors loaded into their fused parameter; a parameter counts
+    as loaded once every expert's matrices are in it."""
+
+    def __init__(self, model: nn.Module, params: dict[str, torch.Tensor]) -> None:
+        self.model = model
+        self.params = params
+        self.seen: dict[str, set[tuple[int, str]]] = {}
+
+    def load(self, f, key: str) -> bool:
+        """Load `key` if it is one expert's matrix of a fused parameter; False otherwise."""
+        match = PER_EXPERT.match(_renamed(key))
+        if match is None:
+            return False
+        prefix, expert, projection = match.group(1), int(match.group(2)), match.group(3)
+        name = f"{prefix}.{'down_proj' if projection == 'down_proj' else 'gate_up_proj'}"
+        if name not in self.params:
+            raise KeyError(f"checkpoint tensor {key} has no place in the model")
+        owner = _owner(self.model, name)
+        if expert >= owner.num_experts:
+            raise KeyError(f"checkpoint tensor {key}: the model has {owner.num_experts} experts")
+        owner.load_expert(key, self.params[name], expert, projection, f.get_tensor(key))
+        self.seen.setdefault(name, set()).add((expert, projection))
+        return True
+
+    def complete(self) -> set[tuple[str, None]]:
+        done = set()
+        for name, seen in self.seen.items():
+            per_expert = 1 if name.endswith("down_proj") else 2
+            if len(seen) == _owner(self.model, name).num_experts * per_expert:
+                done.add((name, None))
+        return done

@@ -1,0 +1,223 @@
+"""Gated DeltaNet (Qwen3.5's linear-attention layer) over a flat batch, with each
+sequence's conv and recurrent state in a slot of its own.
+
+Per layer: one projection of the whole batch into q/k/v (conv channels), the output gate z
+and the b/a heads; the causal conv and the delta rule (layers/gated_delta_rule.py); the
+gated RMSNorm; out_proj. The leading decodes of a batch run as one batch: their states
+are gathered by slot, advanced one token and scattered back. Each prefill chunk then runs
+on its own, from its slot's state when earlier chunks of its sequence ran
+(`has_initial_state`: tokens were computed before this chunk), else from zeros, and leaves
+its final state in the slot. So a chunk may end anywhere, and a slot's earlier owner is
+never read. Short chunks use the token-by-token rule (the chunked one pads to 64 tokens).
+
+The model runner assigns `conv_state` [slots, channels, K-1] (model dtype) and
+`ssm_state` [slots, Hv, dk, dv] (fp32 by default) to every layer, as it assigns the KV
+cache to attention layers; without them (no state allocated) every sequence starts from
+zeros and nothing is kept.
+
+Tensor parallelism: a rank holds Hk/tp key heads and Hv/tp value heads, so a value head's
+key head stays on its rank; q, k and v rows of `in_proj_qkv` and of the conv are cut
+apart per part, and out_proj is row parallel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine_proc.context import Context
+from engine_proc.distributed import REPLICATED, Shard
+from engine_proc.layers.gated_delta_rule import (
+    causal_conv,
+    causal_conv_step,
+    chunk_gated_delta_rule,
+    recurrent_gated_delta_rule,
+)
+from engine_proc.layers.linear import MergedLinear, RowParallelLinear
+from engine_proc.layers.rms_norm import GatedRMSNorm
+from shared.model_config import TextConfig
+
+RECURRENT_MAX_TOKENS = 8  # prefill chunks this short run token by token
+
+
+@dataclass
+class _Span:
+    """A prefill chunk: tokens [start, end) of the batch, its sequence's slot, and whether
+    that slot holds the state its earlier tokens left."""
+
+    start: int
+    end: int
+    slot: int
+    has_initial_state: bool
+
+
+@dataclass
+class StateMetadata:
+    num_decodes: int
+    decode_slots: torch.Tensor | None  # int64 [num_decodes] on the device
+    spans: list[_Span]
+
+
+def build_state_metadata(ctx: Context, num_tokens: int) -> StateMetadata:
+    """The Gated DeltaNet layout of one forward (once, for all layers): no device reads."""
+    if ctx.state_slots is None:  # no state (a profiling forward): one fresh span per sequence
+        q_lens = ctx.q_lens_host or [num_tokens]
+        return StateMetadata(0, None, _spans(q_lens, [0] * len(q_lens), [-1] * len(q_lens), 0))
+    if ctx.all_decode:
+        return StateMetadata(ctx.state_slots.shape[0], ctx.state_slots, [])
+    q_lens = ctx.q_lens_host
+    num_decodes = ctx.num_decodes
+    if num_decodes is None:
+        num_decodes = next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens))
+    computed = [s - q for s, q in zip(ctx.seq_lens_host, q_lens, strict=True)]
+    spans = _spans(q_lens[num_decodes:], computed[num_decodes:],
+                   ctx.state_slots_host[num_decodes:], num_decodes)
+    decode_slots = ctx.state_slots[:num_decodes] if num_decodes else None
+    return StateMetadata(num_decodes, decode_slots, spans)
+
+
+def _spans(q_lens: list[int], computed: list[int], slots: list[int], start: int) -> list[_Span]:
+    spans = []
+    for q_len, done, slot in zip(q_lens, computed, slots, strict=True):
+        spans.append(_Span(start, start + q_len, slot, done > 0))
+        start += q_len
+    return spans
+
+
+class _InProj(MergedLinear):
+    """q/k/v (one checkpoint tensor, `in_proj_qkv`), z, b and a as one matmul. Split over
+    ranks, the qkv tensor's rows are cut per part: this rank's heads of q, of k, of v."""
+
+    def __init__(self, hidden: int, qkv_sizes: list[int], num_v_heads: int, value_dim: int,
+                 shard: Shard) -> None:
+        super().__init__(hidden, [sum(qkv_sizes), value_dim, num_v_heads, num_v_heads],
+                         bias=False, shard=shard)
+        self.qkv_sizes = qkv_sizes
+
+    def checkpoint_slice(self, leaf: str, shard: int | None, shape: tuple[int, ...]):
+        if shard == 0:
+            return None  # three row ranges: read whole, cut in load_shard
+        return super().checkpoint_slice(leaf, shard, shape)
+
+    def load_shard(self, param: torch.Tensor, loaded: torch.Tensor, shard: int) -> None:
+        if shard == 0:
+            loaded = rank_rows(loaded, self.qkv_sizes, self.shard)
+        super().load_shard(param, loaded, shard)
+
+
+def rank_rows(tensor: torch.Tensor, sizes: list[int], shard: Shard) -> torch.Tensor:
+    """This rank's rows of each of the consecutive parts `sizes` of `tensor`, stacked."""
+    if shard.size == 1:
+        return tensor
+    parts = tensor.split(sizes)
+    return torch.cat([p[slice(*shard.split(p.shape[0]))] for p in parts])
+
+
+class _Conv(nn.Module):
+    """The depthwise conv's weight, [channels, K] (checkpoints: [channels, 1, K])."""
+
+    def __init__(self, channels: int, width: int, qkv_sizes: list[int], shard: Shard) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, width))
+        self.qkv_sizes = qkv_sizes
+        self.shard = shard
+
+    def load_tensor(self, key: str, param: torch.Tensor, tensor: torch.Tensor) -> None:
+        tensor = rank_rows(tensor.reshape(tensor.shape[0], -1), self.qkv_sizes, self.shard)
+        if tensor.shape != param.shape:
+            raise ValueError(f"{key}: shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+        param.copy_(tensor)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: TextConfig, shard: Shard = REPLICATED) -> None:
+        super().__init__()
+        self.num_k_heads = cfg.linear_num_key_heads // shard.size
+        self.num_v_heads = cfg.linear_num_value_heads // shard.size
+        self.head_k_dim = cfg.linear_key_head_dim
+        self.head_v_dim = cfg.linear_value_head_dim
+        self.shard = shard
+        key_dim = cfg.linear_num_key_heads * self.head_k_dim
+        value_dim = cfg.linear_num_value_heads * self.head_v_dim
+        qkv_sizes = [key_dim, key_dim, value_dim]
+        self.local_sizes = [size // shard.size for size in qkv_sizes]
+        self.in_proj = _InProj(cfg.hidden_size, qkv_sizes, cfg.linear_num_value_heads,
+                               value_dim, shard)
+        self.conv1d = _Conv(sum(self.local_sizes), cfg.linear_conv_kernel_dim, qkv_sizes, shard)
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
+        self.out_proj = RowParallelLinear(value_dim, cfg.hidden_size, bias=False, shard=shard)
+        self.conv_state = torch.tensor([])
+        self.ssm_state = torch.tensor([])
+
+    def load_tensor(self, key: str, param: torch.Tensor, tensor: torch.Tensor) -> None:
+        """A_log and dt_bias: this rank's value heads."""
+        tensor = tensor[slice(*self.shard.split(tensor.shape[0]))]
+        if tensor.shape != param.shape:
+            raise ValueError(f"{key}: shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+        param.copy_(tensor)
+
+    def forward(self, x: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; the sequences' states advance in their slots."""
+        num_tokens = x.shape[0]
+        conv_dim = self.conv1d.weight.shape[0]
+        qkv, z, b, a = self.in_proj(x).split(
+            [conv_dim, self.num_v_heads * self.head_v_dim, self.num_v_heads, self.num_v_heads],
+            dim=-1)
+        qkv = self._conv(qkv, meta)
+        q, k, v = qkv.split(self.local_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_k_heads, self.head_k_dim)
+        k = k.view(num_tokens, self.num_k_heads, self.head_k_dim)
+        v = v.view(num_tokens, self.num_v_heads, self.head_v_dim)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        core = self._delta_rule(q, k, v, g, beta, meta)
+        core = self.norm(core.view(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(core.view(num_tokens, -1))
+
+    @property
+    def _keeps_state(self) -> bool:
+        return self.conv_state.numel() > 0
+
+    def _conv(self, qkv: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
+        weight = self.conv1d.weight
+        out = torch.empty_like(qkv)
+        n = meta.num_decodes
+        if n:
+            states = self.conv_state.index_select(0, meta.decode_slots)
+            out[:n], states = causal_conv_step(qkv[:n], weight, states)
+            self.conv_state.index_copy_(0, meta.decode_slots, states.to(self.conv_state.dtype))
+        keep = self._keeps_state
+        for span in meta.spans:
+            state = self.conv_state[span.slot] if keep and span.has_initial_state else None
+            out[span.start : span.end], state = causal_conv(qkv[span.start : span.end], weight, state)
+            if keep:
+                self.conv_state[span.slot] = state
+        return out
+
+    def _delta_rule(self, q, k, v, g, beta, meta: StateMetadata) -> torch.Tensor:
+        out = v.new_empty(v.shape)
+        n = meta.num_decodes
+        if n:
+            states = self.ssm_state.index_select(0, meta.decode_slots)
+            o, states = recurrent_gated_delta_rule(
+                q[:n, None], k[:n, None], v[:n, None], g[:n, None], beta[:n, None],
+                initial_state=states, in_place=True)
+            out[:n] = o[:, 0]
+            self.ssm_state.index_copy_(0, meta.decode_slots, states.to(self.ssm_state.dtype))
+        keep = self._keeps_state
+        for span in meta.spans:
+            s, e = span.start, span.end
+            state = self.ssm_state[span.slot][None] if keep and span.has_initial_state else None
+            rule = (recurrent_gated_delta_rule if e - s <= RECURRENT_MAX_TOKENS
+                    else chunk_gated_delta_rule)
+            o, state = rule(q[None, s:e], k[None, s:e], v[None, s:e], g[None, s:e],
+                            beta[None, s:e], initial_state=state)
+            out[s:e] = o[0]
+            if keep:
+                self.ssm_state[span.slot] = state[0]
+        return out

@@ -1,0 +1,99 @@
+"""The Gated DeltaNet ops against transformers' own reference functions (fp32, random
+inputs, two value heads per key head): whole sequences, and the same sequence cut at 1,
+17, 63, 64 and 65 tokens with the state carried across, then a decode step after each."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+from engine_proc.layers.gated_delta_rule import (
+    causal_conv,
+    causal_conv_step,
+    chunk_gated_delta_rule,
+    recurrent_gated_delta_rule,
+)
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+HK, HV, DK, DV, LENGTH = 2, 4, 16, 8, 130
+
+
+def _inputs(length: int, seed: int = 0, batch: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, length, HK, DK, generator=gen)
+    k = torch.randn(batch, length, HK, DK, generator=gen)
+    v = torch.randn(batch, length, HV, DV, generator=gen)
+    g = -torch.rand(batch, length, HV, generator=gen) * 2  # log decay <= 0
+    beta = torch.rand(batch, length, HV, generator=gen)
+    return q, k, v, g, beta
+
+
+def _reference(q, k, v, g, beta, state=None, recurrent=False):
+    rule = hf.torch_recurrent_gated_delta_rule if recurrent else hf.torch_chunk_gated_delta_rule
+    return rule(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
+                use_qk_l2norm_in_kernel=True)
+
+
+@pytest.mark.parametrize("rule", [chunk_gated_delta_rule, recurrent_gated_delta_rule])
+def test_whole_sequence_matches_transformers(rule):
+    inputs = _inputs(LENGTH, batch=2)
+    initial = torch.randn(2, HV, DK, DV)
+    out, state = rule(*inputs, initial_state=initial)
+    ref_out, ref_state = _reference(*inputs, state=initial)
+    torch.testing.assert_close(out, ref_out, **TOL)
+    torch.testing.assert_close(state, ref_state, **TOL)
+
+
+@pytest.mark.parametrize("split", [1, 17, 63, 64, 65])
+@pytest.mark.parametrize("second", ["chunk", "recurrent"])
+def test_split_carrying_state_then_decode_matches_whole(split, second):
+    """The first `split` tokens by the chunked rule, the rest by either rule from the state
+    it left, then one decode token: equal to transformers over the whole sequence."""
+    q, k, v, g, beta = _inputs(LENGTH + 1, seed=split)
+    head = [x[:, :split] for x in (q, k, v, g, beta)]
+    tail = [x[:, split:LENGTH] for x in (q, k, v, g, beta)]
+    last = [x[:, LENGTH:] for x in (q, k, v, g, beta)]
+    out1, state = chunk_gated_delta_rule(*head)
+    rule = chunk_gated_delta_rule if second == "chunk" else recurrent_gated_delta_rule
+    out2, state = rule(*tail, initial_state=state)
+    out3, state = recurrent_gated_delta_rule(*last, initial_state=state)
+    ref_out, ref_state = _reference(*[x[:, :LENGTH] for x in (q, k, v, g, beta)])
+    ref_last, ref_state = _reference(*last, state=ref_state, recurrent=True)
+    torch.testing.assert_close(torch.cat([out1, out2], dim=1), ref_out, **TOL)
+    torch.testing.assert_close(out3, ref_last, **TOL)
+    torch.testing.assert_close(state, ref_state, **TOL)
+
+
+def test_recurrent_leaves_the_initial_state_untouched():
+    inputs = _inputs(3)
+    initial = torch.randn(1, HV, DK, DV)
+    kept = initial.clone()
+    recurrent_gated_delta_rule(*inputs, initial_state=initial)
+    assert torch.equal(initial, kept)
+
+
+@pytest.mark.parametrize("split", [1, 2, 17, 64])
+def test_conv_in_pieces_matches_transformers(split):
+    channels, width, length = 12, 4, 70
+    gen = torch.Generator().manual_seed(split)
+    x = torch.randn(1, channels, length, generator=gen)
+    weight = torch.randn(channels, width, generator=gen)
+    expected = hf.causal_conv1d_fn(x, weight, None, activation="silu")[0].t()
+    out1, state = causal_conv(x[0, :, :split].t(), weight, None)
+    out2, state = causal_conv(x[0, :, split:-1].t(), weight, state)
+    out3, state = causal_conv_step(x[0, :, -1:].t(), weight, state.unsqueeze(0))
+    torch.testing.assert_close(torch.cat([out1, out2, out3]), expected, **TOL)
+    torch.testing.assert_close(state[0], x[0, :, -(width - 1):], atol=0, rtol=0)
+
+
+def test_conv_step_matches_transformers_update():
+    channels, width = 12, 4
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(channels, width, generator=gen)
+    hf_state = torch.randn(2, channels, width, generator=gen)  # transformers keeps K columns
+    x = torch.randn(2, channels, 1, generator=gen)
+    ours, new = causal_conv_step(x[..., 0], weight, hf_state[..., 1:].clone())
+    expected = hf.causal_conv1d_update(x, hf_state, weight, None, "silu")[..., 0]
+    torch.testing.assert_close(ours, expected, **TOL)
+    torch.testing.assert_close(new, hf_state[..., 1:], atol=0, rtol=0)
