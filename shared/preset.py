@@ -27,6 +27,9 @@ class Preset:
     # matrices, ones for norms and zeros for biases into shards, never holding the model.
     materialize: bool = False
     architecture: str = "Qwen2_5_VLForConditionalGeneration"  # a key of _CONFIG_BUILDERS
+    # materialized only: normal(0, perturb) noise added to every parameter after init, so
+    # norm weights and biases are not the trivial ones and zeros a fresh init gives
+    perturb: float = 0.0
 
     def __post_init__(self) -> None:
         if self.dtype not in SAFETENSORS_DTYPES:

@@ -69,6 +69,7 @@ TINY_QWEN3_5 = Preset(
     initializer_range=0.1,
     materialize=True,
     architecture=ARCHITECTURE,
+    perturb=0.05,  # the zero-centred and gated norms' weights off their init
 )
 TINY_QWEN3_5_MOE = Preset(
     name="tiny-qwen3.5-moe",
@@ -82,6 +83,7 @@ TINY_QWEN3_5_MOE = Preset(
     initializer_range=0.1,
     materialize=True,
     architecture=MOE_ARCHITECTURE,
+    perturb=0.05,
 )
 QWEN3_5_0_8B = Preset(
     name="random-qwen3.5-0.8b",

@@ -658,7 +658,12 @@ def _save_transformers_model(folder: Path, config, preset: Preset) -> None:
     state = torch.random.get_rng_state()
     try:
         torch.manual_seed(SEED)
-        model = model_class(config).to(getattr(torch, preset.dtype)).eval()
+        model = model_class(config).eval()
+        if preset.perturb:
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.add_(torch.randn_like(param) * preset.perturb)
+        model = model.to(getattr(torch, preset.dtype))
     finally:
         torch.random.set_rng_state(state)
     model.save_pretrained(str(folder), safe_serialization=True)

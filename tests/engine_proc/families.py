@@ -9,8 +9,19 @@ min_pixels (56*56) at most 4 merge units of the preset's patches.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from shared.model_config import TextConfig, VisionConfig
-from shared.tiny_checkpoint import TINY, TINY_QWEN2_VL, TINY_QWEN3_VL, TINY_QWEN3_VL_MOE, Preset
+from shared.qwen3_5_checkpoints import F, L
+from shared.tiny_checkpoint import (
+    TINY,
+    TINY_QWEN2_VL,
+    TINY_QWEN3_5,
+    TINY_QWEN3_5_MOE,
+    TINY_QWEN3_VL,
+    TINY_QWEN3_VL_MOE,
+    Preset,
+)
 from tests.engine_proc.qwen3_vl_checkpoints import SHAPES as QWEN3_VL_SHAPES
 
 # Qwen2-VL in another shape: other head counts (and GQA ratio), depths, patch and merge
@@ -51,7 +62,22 @@ TINY_QWEN2_VL_B = Preset(
 
 QWEN3_VL_B = QWEN3_VL_SHAPES["dense-b"]
 
-CASES = [TINY, TINY_QWEN2_VL, TINY_QWEN2_VL_B, TINY_QWEN3_VL, QWEN3_VL_B, TINY_QWEN3_VL_MOE]
+# Qwen3.5 in another shape: the pattern starts with a full-attention layer and has two in a
+# row, one value head per key head, other head sizes and rope sections, tied embeddings.
+TINY_QWEN3_5_B = replace(
+    TINY_QWEN3_5,
+    name="tiny-qwen3.5-b",
+    text=replace(TINY_QWEN3_5.text, num_hidden_layers=6, layer_types=(F, L, L, F, L, F),
+                 hidden_size=96, intermediate_size=160, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=48, partial_rotary_factor=0.5,
+                 mrope_section=(4, 4, 4), linear_num_key_heads=3, linear_num_value_heads=3,
+                 linear_key_head_dim=16, linear_value_head_dim=24, linear_conv_kernel_dim=3,
+                 tie_word_embeddings=True),
+    vision=replace(TINY_QWEN3_5.vision, out_hidden_size=96, depth=3),
+)
+
+CASES = [TINY, TINY_QWEN2_VL, TINY_QWEN2_VL_B, TINY_QWEN3_VL, QWEN3_VL_B, TINY_QWEN3_VL_MOE,
+         TINY_QWEN3_5, TINY_QWEN3_5_MOE, TINY_QWEN3_5_B]
 CASE_IDS = [preset.name for preset in CASES]
 # Model-level parity through conftest's VLHarness (test_model_parity.py, test_model_vision.py,
 # test_model_mrope.py). Qwen3-VL's tower and DeepStack have their own model-level checks in

@@ -134,6 +134,16 @@ def run(engine: LLMEngine, requests: list[AddRequest]) -> dict[str, list[int]]:
     return engine.generate(requests)
 
 
+def assert_all_released(engine: LLMEngine) -> None:
+    """Every KV block and (hybrid models) every recurrent state slot is free again."""
+    stats = engine.stats()
+    assert stats.num_kv_blocks_free == stats.num_kv_blocks_total
+    slots = engine.scheduler.state_slots
+    if slots is not None:
+        assert stats.num_state_slots_free == slots.num_slots
+        assert all(seq.state_slot == -1 for seq in engine.seqs.values())
+
+
 @pytest.mark.parametrize(
     "segments", [TEXT, ONE_IMAGE, TWO_IMAGES], ids=["text", "one_image", "two_images"]
 )
@@ -141,7 +151,7 @@ def test_greedy_matches_transformers(model_path, config, reference, segments):
     engine = make_engine(model_path)
     out = run(engine, [make_request(config, "a", segments)])
     assert out["a"] == reference.greedy(config, segments)
-    assert engine.stats().num_kv_blocks_free == engine.stats().num_kv_blocks_total
+    assert_all_released(engine)
 
 
 def test_batch_admitted_at_different_steps(model_path, config, reference):
@@ -201,8 +211,8 @@ def test_abort_mid_decode(model_path, config, reference):
     ref_c = reference.greedy(config, TWO_IMAGES, 3, max_tokens=20)
     # transformers stops at EOS; with ignore_eos the engine goes on, so compare up to it
     assert got["a"][: len(ref_a)] == ref_a and got["c"][: len(ref_c)] == ref_c
-    stats = engine.stats()
-    assert stats.num_kv_blocks_free == stats.num_kv_blocks_total and stats.mm_bytes_held == 0
+    assert engine.stats().mm_bytes_held == 0
+    assert_all_released(engine)
 
 
 def test_preemption_under_tiny_kv_cache(model_path, config, reference):
@@ -220,6 +230,7 @@ def test_preemption_under_tiny_kv_cache(model_path, config, reference):
     for rid, (seg, seed) in cases.items():
         assert out[rid] == reference.greedy(config, seg, seed), rid
     assert engine.stats().num_kv_blocks_free == 14
+    assert_all_released(engine)
 
 
 def test_seeded_sampling_is_reproducible(tiny_model_path, tiny_config):
