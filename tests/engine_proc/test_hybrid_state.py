@@ -210,3 +210,14 @@ def test_moe_experts_load_per_expert_and_fused(tmp_path):
     per_expert = make_engine(path).generate(request)
     request = [make_request(config, "a", [5, (2, 3), 9])]
     assert make_engine(folder).generate(request) == per_expert
+
+
+def test_tensor_parallelism_refuses_linear_heads_it_cannot_split(config):
+    from dataclasses import replace
+
+    from shared.model_config import tensor_parallel_problem
+
+    odd = replace(config, text=replace(config.text, linear_num_key_heads=3,
+                                       linear_num_value_heads=3))
+    assert "linear_num_key_heads (3)" in tensor_parallel_problem(odd, 2)
+    assert tensor_parallel_problem(config, 2) is None

@@ -26,6 +26,8 @@ from engine_proc.tensor_parallel import TensorParallelBroken
 from engine_proc.tp_worker import run_step
 from shared.model_config import load_model_config, tensor_parallel_problem
 from shared.tiny_checkpoint import (
+    TINY_QWEN3_5,
+    TINY_QWEN3_5_MOE,
     TINY_QWEN3_VL,
     TINY_QWEN3_VL_MOE,
     ensure_checkpoint,
@@ -112,6 +114,16 @@ def test_experts_split_match_a_single_rank(tmp_path):
                      text=replace(TINY_QWEN3_VL_MOE.text, num_key_value_heads=2))
     path = write_checkpoint(tmp_path / "moe", preset)
     assert_same_outputs(load_model_config(path), path, [TEXT, ONE_IMAGE])
+
+
+@pytest.mark.parametrize("preset", [TINY_QWEN3_5, TINY_QWEN3_5_MOE], ids=lambda p: p.name)
+def test_hybrid_models_match_a_single_rank(preset):
+    """Qwen3.5: each rank holds half the Gated DeltaNet key and value heads (and their
+    state slots), half the attention heads, and of the MoE its experts' and shared
+    expert's rows; prefills in 16-token chunks carry the state across steps."""
+    path = ensure_checkpoint(preset)
+    assert_same_outputs(load_model_config(path), path, [TEXT, ONE_IMAGE, [40]],
+                        max_num_batched_tokens=16)
 
 
 def test_a_worker_keeps_no_image_rows_after_its_step(tiny_model_path, no_garbage_collector):
