@@ -1,8 +1,12 @@
 """Every served family through HTTP: the official openai client against `flatserve serve
 --model FOLDER` gets the greedy tokens the engine gives offline, streamed and not, for text
-and images (Qwen2.5-VL, the default model, is covered in test_openai_parity.py)."""
+and images (Qwen2.5-VL, the default model, is covered in test_openai_parity.py), and the
+OpenAI features applications call work on each (n > 1, logprobs, structured outputs,
+penalties, tools)."""
 
 from __future__ import annotations
+
+import json
 
 import openai
 import pytest
@@ -47,3 +51,30 @@ def test_openai_client_matches_offline_engine(family_server):
                                              max_tokens=MAX_TOKENS, temperature=0, stream=True)
         text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         assert text == want_text
+
+
+def test_openai_features_on_every_family(family_server):
+    _, server = family_server
+    oai = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    model = oai.models.list().data[0].id
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    reply = oai.chat.completions.create(model=model, messages=messages, max_tokens=6, n=2,
+                                        temperature=1.0, seed=1, logprobs=True, top_logprobs=2,
+                                        presence_penalty=0.5, frequency_penalty=0.5)
+    assert [c.index for c in reply.choices] == [0, 1]
+    for choice in reply.choices:
+        assert len(choice.logprobs.content) >= 1
+        assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+    schema = {"type": "object", "properties": {"fruit": {"enum": ["apple", "pear"]}},
+              "required": ["fruit"], "additionalProperties": False}
+    reply = oai.chat.completions.create(
+        model=model, messages=messages, max_tokens=200, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "f", "schema": schema}})
+    assert json.loads(reply.choices[0].message.content)["fruit"] in ("apple", "pear")
+    tool = {"type": "function", "function": {"name": "pick", "parameters": schema}}
+    # random weights write whitespace the grammar allows: room for it
+    reply = oai.chat.completions.create(model=model, messages=messages, max_tokens=200,
+                                        temperature=0, tools=[tool], tool_choice="required")
+    call = reply.choices[0].message.tool_calls[0]
+    assert call.function.name == "pick"
+    assert json.loads(call.function.arguments)["fruit"] in ("apple", "pear")

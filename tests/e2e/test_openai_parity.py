@@ -43,7 +43,8 @@ def _offline_text(model_path, messages, images) -> tuple[str, int, int]:
                       else [{"type": "image"} if p["type"] == "image_url" else p for p in m["content"]]}
                      for m in messages]
     ids = builder.build_chat(template_msgs, [g for _, g in resized])
-    engine = LLMEngine(str(model_path), max_num_seqs=4, kv_cache_memory_bytes=32 << 20)
+    engine = LLMEngine(str(model_path), max_num_seqs=4, kv_cache_memory_bytes=32 << 20,
+                       max_model_len=4096)
     request = AddRequest("offline", ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
                               [ImageInput(p, g) for p, g in resized])
     tokens = engine.generate([request])["offline"]

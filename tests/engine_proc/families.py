@@ -86,4 +86,8 @@ MODEL_CASES = [TINY, TINY_QWEN2_VL, TINY_QWEN2_VL_B]
 MODEL_CASE_IDS = [preset.name for preset in MODEL_CASES]
 
 # The families served end to end in the e2e and soak tests, beside the default model.
-SERVED_FAMILIES = [TINY_QWEN2_VL, TINY_QWEN3_VL, TINY_QWEN3_VL_MOE]
+SERVED_FAMILIES = [TINY_QWEN2_VL, TINY_QWEN3_VL, TINY_QWEN3_VL_MOE, TINY_QWEN3_5, TINY_QWEN3_5_MOE]
+# The short soak (about 50 s each) runs on each family once: Qwen3.5-MoE holds and frees
+# exactly what dense Qwen3.5 does (the same slots, KV and images), so it is served above
+# and not soaked again.
+SOAKED_FAMILIES = [p for p in SERVED_FAMILIES if p is not TINY_QWEN3_5_MOE]

@@ -9,7 +9,7 @@ import pytest
 
 from flatserve.soak import SoakConfig, run_soak
 from shared.tiny_checkpoint import TINY, ensure_checkpoint
-from tests.engine_proc.families import SERVED_FAMILIES
+from tests.engine_proc.families import SOAKED_FAMILIES
 
 # A short run (about 30 s each on an idle machine): the slope limit is far looser than the
 # default meant for thousands of requests. Over 240 measured requests the engine's RSS can
@@ -27,7 +27,7 @@ SHORT_RUN = dict(requests=320, concurrency=8, image_size=336, max_tokens=8, disc
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", [TINY, *SERVED_FAMILIES], ids=lambda p: p.name)
+@pytest.mark.parametrize("preset", [TINY, *SOAKED_FAMILIES], ids=lambda p: p.name)
 def test_soak_passes_on_flatserve(tmp_path, preset):
     """The flat-memory promise holds for every family, not only the default model."""
     config = dict(SHORT_RUN)
