@@ -164,6 +164,16 @@ class EngineStatsCollector(Collector):
         yield CounterMetricFamily(
             "flatserve_encoder_cache_hits", "Images whose embeddings came from an encoder cache",
             value=total("encoder_cache_hits"))
+        yield GaugeMetricFamily(
+            "flatserve_kv_cache_bytes", "Bytes of the engines' KV caches (allocated at start)",
+            value=total("kv_cache_bytes"))
+        yield GaugeMetricFamily(
+            "flatserve_state_cache_bytes", "Bytes of the engines' recurrent state slots "
+            "(hybrid models such as Qwen3.5; allocated at start)",
+            value=total("state_cache_bytes"))
+        yield GaugeMetricFamily(
+            "flatserve_state_slots_free", "Recurrent state slots no running request holds",
+            value=total("num_state_slots_free"))
         rss = GaugeMetricFamily("flatserve_process_rss_bytes",
                                 "Resident set size of each flatserve process",
                                 labels=["process"])

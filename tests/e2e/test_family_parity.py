@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
 
+from engine_proc.state_cache import StateShape
+from shared.model_config import load_model_config
 from shared.tiny_checkpoint import ensure_checkpoint
 from tests.e2e.server_process import ServerProcess
 from tests.e2e.test_openai_parity import MAX_TOKENS, _data_url, _image, _offline_text
@@ -54,7 +59,7 @@ def test_openai_client_matches_offline_engine(family_server):
 
 
 def test_openai_features_on_every_family(family_server):
-    _, server = family_server
+    folder, server = family_server
     oai = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     model = oai.models.list().data[0].id
     messages = [{"role": "user", "content": "Name a fruit."}]
@@ -78,3 +83,13 @@ def test_openai_features_on_every_family(family_server):
     call = reply.choices[0].message.tool_calls[0]
     assert call.function.name == "pick"
     assert json.loads(call.function.arguments)["fruit"] in ("apple", "pear")
+    metrics = {s.name: s.value for family in text_string_to_metric_families(
+        httpx.get(server.url + "/metrics").text) for s in family.samples}
+    assert metrics["flatserve_kv_cache_bytes"] > 0
+    text = load_model_config(folder).text
+    if text.is_hybrid:  # the slots, all free again
+        slot = StateShape.of(text, 1, torch.float32, torch.float32).slot_bytes
+        assert metrics["flatserve_state_cache_bytes"] > 0
+        assert metrics["flatserve_state_slots_free"] * slot == metrics["flatserve_state_cache_bytes"]
+    else:
+        assert metrics["flatserve_state_cache_bytes"] == 0
