@@ -47,6 +47,7 @@ ENGINE_FLAGS = (
     "encoder_cache_bytes",
     "seed",
     "tensor_parallel_size",
+    "mamba_ssm_cache_dtype",
 )
 DEFAULT_MAX_MODEL_LEN = 8192
 
