@@ -35,7 +35,13 @@ _TYPE_PREFIXES = (("int", "integer"), ("uint", "integer"), ("long", "integer"),
                   ("array", "array"), ("list", "array"))
 
 
-def _type_name(schema: object) -> str:
+def _type_name(schema: object) -> str | tuple:
+    """A parameter schema's type name, or the tuple of its enum values (const: one)."""
+    if isinstance(schema, dict) and "type" not in schema:
+        if isinstance(schema.get("enum"), list):
+            return tuple(schema["enum"])
+        if "const" in schema:
+            return (schema["const"],)
     kind = schema.get("type") if isinstance(schema, dict) else None
     if isinstance(kind, list):  # ["integer", "null"]: the type it has when it is not null
         kind = next((k for k in kind if k != "null"), None)
@@ -45,7 +51,7 @@ def _type_name(schema: object) -> str:
     return next((name for prefix, name in _TYPE_PREFIXES if kind.startswith(prefix)), "string")
 
 
-def parameter_types(tools: list[dict]) -> dict[str, dict[str, str]]:
+def parameter_types(tools: list[dict]) -> dict[str, dict[str, str | tuple]]:
     """Function name -> parameter name -> type name, of OpenAI tool definitions (dicts)."""
     types = {}
     for tool in tools:
@@ -56,11 +62,15 @@ def parameter_types(tools: list[dict]) -> dict[str, dict[str, str]]:
     return types
 
 
-def convert(value: str, kind: str) -> object:
-    """A parameter's text as the JSON value of type `kind`, or the text when it is not one."""
+def convert(value: str, kind: str | tuple) -> object:
+    """A parameter's text as the JSON value of type `kind` (a tuple: one of those values),
+    or the text when it is not one."""
     if kind == "string":
         return value
-    text = value.strip()
+    text = value.strip()  # around a value that is not a string, whitespace is layout
+    if isinstance(kind, tuple):
+        return next((v for v in kind if v == text or (not isinstance(v, str) and
+                                                      json.dumps(v) == text)), value)
     if text.lower() == "null":
         return None
     if kind == "boolean":
@@ -88,7 +98,7 @@ class XmlCallReader:
 
     __slots__ = ("_types",)
 
-    def __init__(self, types: dict[str, dict[str, str]]) -> None:
+    def __init__(self, types: dict[str, dict[str, str | tuple]]) -> None:
         self._types = types
 
     def __call__(self, body: str) -> tuple[str, str] | None:
@@ -106,7 +116,7 @@ class XmlCallReader:
         return name, json.dumps(arguments, ensure_ascii=False)
 
 
-def _parameters(text: str, types: dict[str, str]) -> dict | None:
+def _parameters(text: str, types: dict[str, str | tuple]) -> dict | None:
     """The `<parameter=...>` elements of a function's body; None when there is other text."""
     arguments: dict = {}
     at = 0
