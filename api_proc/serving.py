@@ -190,9 +190,9 @@ class Serving:
                                    parallel_tool_calls=parallel, constrained=mode != "auto")
 
     def _output_parsers(self, settings: _RequestSettings, tools: list[dict] | None,
-                        mode: str | None) -> Callable[[], ChatOutputParser] | None:
+                        start: str | None) -> Callable[[], ChatOutputParser] | None:
         """What makes each choice's reader of reasoning and tool calls (None: its text is
-        read as it is); `mode`: where the reasoning parser starts (reasoning_parser.py)."""
+        read as it is); `start`: where the reasoning parser starts (reasoning_parser.py)."""
         reasoning = self.config.reasoning_parser
         if reasoning is None and not settings.parse_tool_calls:
             return None
@@ -203,7 +203,7 @@ class Serving:
 
         def make() -> ChatOutputParser:
             return ChatOutputParser(
-                None if reasoning is None else ReasoningParser.create(reasoning, mode),
+                None if reasoning is None else ReasoningParser.create(reasoning, start),
                 ToolCallParser(parallel, read_call) if settings.parse_tool_calls else None)
         return make
 
@@ -239,8 +239,8 @@ class Serving:
         else:
             prompt_ids, prompt_end = build()
         parser = self.config.reasoning_parser
-        mode = parser and start_mode(parser, prompt_end, template_kwargs, settings.constrained)
-        make_output = self._output_parsers(settings, tools, mode)
+        start = parser and start_mode(parser, prompt_end, template_kwargs, settings.constrained)
+        make_output = self._output_parsers(settings, tools, start)
         max_tokens = self.builder.resolve_max_tokens(len(prompt_ids), requested)
         sampling = [self._sampling(settings, max_tokens, i) for i in range(settings.n)]
         rid = f"chatcmpl-{uuid.uuid4().hex}"
