@@ -92,7 +92,7 @@ class ReasoningParser:
         return cls(mode, implicit_end=parser == "qwen3")
 
     def feed(self, text: str) -> list[dict]:
-        if self._mode == REASONING and not self._buf and not self._pending and "<" not in text:
+        if self._mode == REASONING and not self._buf and "<" not in text:  # most tokens
             return [{"reasoning": text}] if text else []
         if self._mode == CONTENT:
             return [{"content": text}] if text else []
@@ -104,8 +104,7 @@ class ReasoningParser:
     def finish(self) -> list[dict]:
         """What is still held, at the end of the completion."""
         out: list[dict] = []
-        _emit(out, CONTENT if self._mode in (CONTENT, OPENING) and not self._pending
-              else REASONING, self._buf)
+        _emit(out, REASONING if self._mode == REASONING else CONTENT, self._buf)
         self._buf, self._pending = "", False
         return out
 

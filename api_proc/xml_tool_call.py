@@ -13,8 +13,9 @@ between `<tool_call>` and `</tool_call>` (tool_parser.py finds those) is
 A value is text (one newline after its opening tag and one before its closing tag are
 layout); it becomes the JSON value its parameter's type in the tool's schema says: a string
 stays text, integer/number/boolean/object/array are parsed and stay text when they do not
-parse (vLLM's rules, less its Python-literal fallback), `null` is null for a non-string.
-A parameter the schema does not name stays text. A body of any other shape is not a call
+parse (vLLM's rules, less its Python-literal fallback), `null` is null for a non-string, an
+enum's (or const's) value is the one the text names, whitespace around it dropped (the
+grammar's qwen_xml form allows it). A parameter the schema does not name stays text. A body of any other shape is not a call
 (its text stays content, as a hermes call whose JSON is malformed).
 """
 
