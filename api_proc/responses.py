@@ -1,6 +1,6 @@
 """From engine outputs to OpenAI responses: the choices' outputs merged into one sequence,
-detokenized, reasoning and tool calls read out (chat_output.py), and rendered as one JSON body or as SSE
-chunks ending with `data: [DONE]`.
+detokenized, reasoning and tool calls read out (chat_output.py), and rendered as one JSON
+body or as SSE chunks ending with `data: [DONE]`.
 
 Outputs are handed over inside the engine reader's callback (RequestStream.deliver), and a
 streaming response writes its chunks from there (sync_send.py): an engine step with N

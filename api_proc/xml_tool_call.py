@@ -15,8 +15,9 @@ layout); it becomes the JSON value its parameter's type in the tool's schema say
 stays text, integer/number/boolean/object/array are parsed and stay text when they do not
 parse (vLLM's rules, less its Python-literal fallback), `null` is null for a non-string, an
 enum's (or const's) value is the one the text names, whitespace around it dropped (the
-grammar's qwen_xml form allows it). A parameter the schema does not name stays text. A body of any other shape is not a call
-(its text stays content, as a hermes call whose JSON is malformed).
+grammar's qwen_xml form allows it). A parameter the schema does not name stays text. A body
+of any other shape is not a call (its text stays content, as a hermes call whose JSON is
+malformed).
 """
 
 from __future__ import annotations
