@@ -113,21 +113,32 @@ def test_a_stream_split_anywhere_reads_as_the_whole_text(text, parser, mode):
         assert "reasoning" not in kinds[kinds.index("content"):] if "content" in kinds else True
 
 
-def test_reasoning_then_calls_out_of_the_content():
-    from api_proc.tool_parser import ToolCallParser
+HERMES = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+@pytest.mark.parametrize("call", [CALL, HERMES])
+def test_reasoning_then_calls_out_of_the_content(parser, call):
+    from api_proc.tool_parser import ToolCallParser, read_hermes_call
     from api_proc.xml_tool_call import XmlCallReader
 
-    text = "I should call f.</think>\n\nSure.\n" + CALL
-    for cut in [[]] + [[i] for i in range(len(text) + 1)]:
-        reader = ChatOutputParser(ReasoningParser.create("qwen3", REASONING),
-                                  ToolCallParser(True, XmlCallReader({"f": {"a": "integer"}})))
+    read_call = XmlCallReader({"f": {"a": "integer"}}) if call == CALL else read_hermes_call
+    text = "I should call f.</think>\n\nSure.\n" + call + "\n" + call
+    for cut in [[]] + [[i] for i in range(len(text) + 1)] + [list(range(len(text) + 1))]:
+        reader = ChatOutputParser(ReasoningParser.create(parser, REASONING),
+                                  ToolCallParser(True, read_call))
         reasoning, content, calls = assemble(streamed(lambda r=reader: r, text, cut))
         assert (reasoning, content) == ("I should call f.", "\n\nSure.\n"), cut
         assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
-            ("f", '{"a": 1}')]
-    # qwen3's implicit end: the call written inside the thinking is a call
+            ("f", '{"a": 1}')] * 2
+        assert reader.num_calls == 2
+
+
+def test_qwen3_ends_the_reasoning_at_a_call_written_inside_it():
+    from api_proc.tool_parser import ToolCallParser
+    from api_proc.xml_tool_call import XmlCallReader
+
     reader = ChatOutputParser(ReasoningParser.create("qwen3", REASONING),
                               ToolCallParser(True, XmlCallReader({})))
     reasoning, content, calls = assemble([*reader.feed("hm\n" + CALL), *reader.finish()])
     assert (reasoning, content, len(calls)) == ("hm\n", None, 1)
-    assert reader.num_calls == 1
