@@ -95,6 +95,11 @@ def test_qwen3_coder_calls_are_qwen3_coder_xml_that_its_parser_reads():
     assert not accepts(required, time + "\n" + time)  # parallel false: one call
     parser = ToolCallParser(True, XmlCallReader(parameter_types(
         [t.model_dump(exclude_none=True) for t in tools])))
+    strict = [WEATHER.model_copy(update={"function": WEATHER.function.model_copy(
+        update={"strict": True})})]
+    auto = tool_call_constraint(strict, "auto", None, True, "qwen3_coder")
+    assert accepts(auto, "Hello.") and accepts(auto, "Sure. " + XML_WEATHER + " done")
+    assert not accepts(auto, "Sure. " + xml_call("weather", "<parameter=days>\n3\n</parameter>"))
     content, calls = assemble([*parser.feed(XML_WEATHER + "\n" + time), *parser.finish()])
     assert content is None
     assert [json.loads(c["function"]["arguments"]) for c in calls] == [
