@@ -9,6 +9,7 @@ import ssl
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from api_proc.protocol import check_template_kwargs
 from rpc.curve import FOLDER_HELP, ClientKeys, check_plain_tcp, load_client_keys
 from shared.config_args import add_dataclass_args, dataclass_from_args, opt, parse_human_int
 from shared.model_config import ImageProcessorConfig, load_model_config
@@ -17,7 +18,9 @@ from shared.sampling_params import MAX_LOGPROBS
 MiB = 1 << 20
 GiB = 1 << 30
 # Qwen's `<tool_call>` JSON (api_proc/tool_parser.py); vLLM names it after the Hermes models
-TOOL_CALL_PARSERS = ("hermes",)
+TOOL_CALL_PARSERS = ("hermes", "qwen3_coder")
+# `<think>...</think>` read out as message.reasoning (api_proc/reasoning_parser.py)
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
 def parse_json_list(text: str) -> list[str]:
@@ -58,6 +61,26 @@ def parse_mm_limit(text: str) -> int:
 
 
 IMAGE_SIZE_KWARGS = ("min_pixels", "max_pixels")
+
+
+def template_kwargs_json(text: str) -> str:
+    """A JSON object of chat template variables, checked as a request's chat_template_kwargs
+    are, as canonical JSON text (a frozen config holds no dict); ValueError with the reason."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise ValueError(f"{text!r} is not a JSON object")
+    return json.dumps(check_template_kwargs(value))
+
+
+def parse_template_kwargs(text: str) -> str:
+    """--default-chat-template-kwargs: vLLM's JSON object of chat template variables."""
+    try:
+        return template_kwargs_json(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parse_mm_processor_kwargs(text: str) -> tuple[tuple[str, int], ...]:
@@ -170,6 +193,13 @@ class ApiConfig:
         "--tool-call-parser")
     tool_call_parser: str | None = opt(
         None, f"how tool calls are read from the output: {', '.join(TOOL_CALL_PARSERS)}")
+    reasoning_parser: str | None = opt(
+        None, "read the model's <think>...</think> out of chat completions into "
+        "message.reasoning (and reasoning_content)", choices=REASONING_PARSERS)
+    default_chat_template_kwargs: str | None = opt(
+        None, "chat template variables for every chat request, a JSON object such as "
+        "'{\"enable_thinking\": false}'; a request's chat_template_kwargs override them",
+        parse=parse_template_kwargs)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -221,6 +251,15 @@ class ApiConfig:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                              f"got {self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
+        if self.default_chat_template_kwargs is not None:
+            try:
+                text = template_kwargs_json(self.default_chat_template_kwargs)
+            except ValueError as e:
+                raise ValueError(f"default_chat_template_kwargs: {e}") from None
+            object.__setattr__(self, "default_chat_template_kwargs", text)
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser")
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
@@ -291,6 +330,12 @@ class ApiConfig:
         data = json.loads(path.read_text())
         keys = ("temperature", "top_p", "top_k", "repetition_penalty")
         return {k: data[k] for k in keys if isinstance(data.get(k), int | float)}
+
+    @property
+    def template_defaults(self) -> dict:
+        """--default-chat-template-kwargs as a dict (a new one each time: callers merge)."""
+        text = self.default_chat_template_kwargs
+        return {} if text is None else json.loads(text)
 
     @property
     def model_name(self) -> str:

@@ -139,16 +139,20 @@ class PromptBuilder:
         return self._tool_template
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> str:
-        """The conversation as text; `tools`: OpenAI tool definitions (as dicts)."""
+                    tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> str:
+        """The conversation as text; `tools`: OpenAI tool definitions (as dicts);
+        `template_kwargs`: extra template variables (chat_template_kwargs), never one of
+        the template's own (protocol.TEMPLATE_OWN_NAMES: refused before this)."""
         template = self._template
-        extra = {}
+        variables = dict(template_kwargs or {})
         if tools or _has_tool_turns(messages):
             template = self._template_for_tools()
-            extra["tools"] = tools or None
+            variables["tools"] = tools or None
+        variables.update(self._special_names, messages=messages,
+                         add_generation_prompt=add_generation_prompt)
         try:
-            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   **extra, **self._special_names)
+            return template.render(**variables)
         except jinja2.exceptions.TemplateError as e:
             message = f"chat template refused the messages: {e}"
         raise BadRequest(message, param="messages")
@@ -165,10 +169,15 @@ class PromptBuilder:
         return t * h * w // (self.merge_size * self.merge_size)
 
     def build_chat(self, messages: list[dict], image_grids: list[tuple[int, int, int]],
-                   tools: list[dict] | None = None) -> list[int]:
+                   tools: list[dict] | None = None,
+                   template_kwargs: dict | None = None) -> list[int]:
         """Token ids of the templated conversation with each image's placeholder expanded."""
-        ids = self.encode(self.render_chat(messages, tools=tools))
-        return self.expand_image_tokens(ids, image_grids)
+        text = self.render_chat(messages, tools=tools, template_kwargs=template_kwargs)
+        return self.prompt_ids(text, image_grids)
+
+    def prompt_ids(self, text: str, image_grids: list[tuple[int, int, int]]) -> list[int]:
+        """Token ids of a rendered conversation with each image's placeholder expanded."""
+        return self.expand_image_tokens(self.encode(text), image_grids)
 
     def build_completion(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -17,6 +17,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    JsonValue,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -217,6 +218,24 @@ class NamedToolChoice(_Request):
 
 
 MAX_TOOLS = 128
+# what the chat template's render gets from the request and the tokenizer (prompt_builder.py),
+# and vLLM's own render arguments: chat_template_kwargs may not replace them
+TEMPLATE_OWN_NAMES = frozenset({
+    "messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "chat_template", "tokenize", "bos_token", "eos_token", "raise_exception", "strftime_now"})
+MAX_TEMPLATE_KWARGS_CHARS = 65536
+
+
+def check_template_kwargs(kwargs: dict) -> dict:
+    """chat_template_kwargs (a request's, or --default-chat-template-kwargs): extra variables
+    of the chat template, as vLLM passes them; ValueError naming what cannot be set."""
+    own = sorted(TEMPLATE_OWN_NAMES.intersection(kwargs))
+    if own:
+        raise ValueError(f"{', '.join(own)} cannot be set: the chat template gets "
+                         f"{'it' if len(own) == 1 else 'them'} from the request itself")
+    if len(json.dumps(kwargs)) > MAX_TEMPLATE_KWARGS_CHARS:
+        raise ValueError(f"longer than {MAX_TEMPLATE_KWARGS_CHARS} characters as JSON")
+    return kwargs
 
 
 class _SamplingRequest(_Request):
@@ -325,6 +344,13 @@ class ChatCompletionRequest(_SamplingRequest):
     # None: "auto" when tools are given, "none" otherwise (OpenAI's defaults)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # None: true, OpenAI's default
+    # vLLM extension: extra variables of the chat template (enable_thinking, ...)
+    chat_template_kwargs: dict[str, JsonValue] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v):
+        return None if v is None else check_template_kwargs(v)
 
     @field_validator("tools")
     @classmethod
@@ -427,6 +453,9 @@ class ChatCompletionMessage(_Body):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = None
+    # --reasoning-parser: the text the model thought, under vLLM's new name and its old one
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class DeltaFunctionCall(_Body):
@@ -486,6 +515,8 @@ class ChatDelta(_Body):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionChunkChoice(_Body):

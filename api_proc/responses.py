@@ -1,6 +1,6 @@
 """From engine outputs to OpenAI responses: the choices' outputs merged into one sequence,
-detokenized, tool calls read out (tool_parser.py), and rendered as one JSON body or as SSE
-chunks ending with `data: [DONE]`.
+detokenized, reasoning and tool calls read out (chat_output.py), and rendered as one JSON
+body or as SSE chunks ending with `data: [DONE]`.
 
 Outputs are handed over inside the engine reader's callback (RequestStream.deliver), and a
 streaming response writes its chunks from there (sync_send.py): an engine step with N
@@ -18,6 +18,7 @@ from typing import Any
 
 from fastapi.responses import Response
 
+from api_proc.chat_output import assemble
 from api_proc.errors import HTTPError
 from api_proc.logprobs import LogprobsFormatter, merge_completion
 from api_proc.metrics import Metrics
@@ -33,13 +34,15 @@ from api_proc.protocol import (
 from api_proc.request_body import wait_for_disconnect
 from api_proc.serving import Choice, Prepared
 from api_proc.sync_send import SyncSend
-from api_proc.tool_parser import assemble
 
 DONE = b"data: [DONE]\n\n"
 # a client that reads slower than its tokens come: past this many bytes waiting to be sent,
 # its streams are paused (the engine's outputs merge as token ids) until they are out
 MAX_BACKLOG_BYTES = 256 << 10
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+# a response without a reasoning parser has no reasoning fields (as before there was one)
+_NO_REASONING = {"choices": {"__all__": {"message": {"reasoning", "reasoning_content"}}}}
 
 # what a response does with one choice's step: (choice, new text, finish reason, logprobs)
 Emit = Callable[[Choice, str, "str | None", object], None]
@@ -191,7 +194,8 @@ class ResponseWriter:
                 choices=[ChatCompletionChoice(
                     index=c.index, finish_reason=_finish_reason(c), message=message,
                     logprobs=None if c.logprobs is None else {"content": c.logprobs})
-                    for c, message in zip(p.choices, messages, strict=True)]).model_dump()
+                    for c, message in zip(p.choices, messages, strict=True)]
+            ).model_dump(exclude=None if p.reasoning else _NO_REASONING)
         return CompletionResponse(
             id=p.id, created=p.created, model=p.model, usage=p.usage,
             choices=[CompletionChoice(
@@ -210,8 +214,8 @@ class ResponseWriter:
 
     def _write_step(self, out: SyncSend, p: Prepared, c: Choice, text: str,
                     finish: str | None, lp: Any) -> None:
-        if c.tool_calls is not None:
-            chunks = self._tool_chunks(p, c, text, finish, lp)
+        if c.output is not None:
+            chunks = self._parsed_chunks(p, c, text, finish, lp)
             if chunks:
                 out(b"".join(chunks))
         elif text or finish or lp:
@@ -269,23 +273,25 @@ class ResponseWriter:
         if c.first_token_at is not None and c.num_tokens > 1:
             self.metrics.tpot.observe((c.last_token_at - c.first_token_at) / (c.num_tokens - 1))
 
-    def _tool_chunks(self, p: Prepared, c: Choice, text: str, finish: str | None,
-                     lp: object) -> list[bytes]:
-        """The chunks of one step of a choice whose tool calls are read out: a chunk per
-        delta, the step's log-probabilities on the first, the finish reason on the last."""
-        deltas = c.tool_calls.feed(text) if text else []
+    def _parsed_chunks(self, p: Prepared, c: Choice, text: str, finish: str | None,
+                       lp: object) -> list[bytes]:
+        """The chunks of one step of a choice whose reasoning or tool calls are read out: a
+        chunk per delta, the step's log-probabilities on the first, the finish reason on
+        the last."""
+        deltas = c.output.feed(text) if text else []
         if finish is not None:
-            deltas += c.tool_calls.finish()
+            deltas += c.output.finish()
             finish = _finish_reason(c)
         if not deltas and (finish or lp):
             deltas = [{"content": ""}]
         last = len(deltas) - 1
         return [self._chunk(p, c.index, d.get("content"), finish if i == last else None,
-                            lp if i == 0 else None, d.get("tool_calls"))
+                            lp if i == 0 else None, d.get("tool_calls"), d.get("reasoning"))
                 for i, d in enumerate(deltas)]
 
     def _chunk(self, p: Prepared, index: int, text: str | None, finish: str | None,
-               lp: object = None, tool_calls: list[dict] | None = None) -> bytes:
+               lp: object = None, tool_calls: list[dict] | None = None,
+               reasoning: str | None = None) -> bytes:
         """One SSE chunk; for chat, text=None is the opening chunk that carries the role.
         Built as a dict with exactly OpenAI's fields: the protocol models are the schema
         (tests validate every chunk against ChatCompletionChunk), but dumping one per token
@@ -293,6 +299,8 @@ class ResponseWriter:
         if p.kind == "chat":
             if tool_calls is not None:
                 delta = {"tool_calls": tool_calls}
+            elif reasoning is not None:  # both names, as vLLM writes it
+                delta = {"reasoning": reasoning, "reasoning_content": reasoning}
             elif text is None:
                 delta = {"role": "assistant", "content": ""}
             else:
@@ -310,17 +318,18 @@ class ResponseWriter:
 
 def _finish_reason(c: Choice) -> str | None:
     """OpenAI's "tool_calls" for a completion that ended by itself after calling tools."""
-    if c.finish_reason == "stop" and c.tool_calls is not None and c.tool_calls.num_calls:
+    if c.finish_reason == "stop" and c.output is not None and c.output.num_calls:
         return "tool_calls"
     return c.finish_reason
 
 
 def _message(c: Choice) -> ChatCompletionMessage:
     text = "".join(c.texts)
-    if c.tool_calls is None:
+    if c.output is None:
         return ChatCompletionMessage(content=text)
-    content, calls = assemble([*c.tool_calls.feed(text), *c.tool_calls.finish()])
-    return ChatCompletionMessage(content=content, tool_calls=calls or None)
+    reasoning, content, calls = assemble([*c.output.feed(text), *c.output.finish()])
+    return ChatCompletionMessage(content=content, tool_calls=calls or None, reasoning=reasoning,
+                                 reasoning_content=reasoning)
 
 
 # Characters JSON leaves raw that Python's str.splitlines (and clients built on it, such as

@@ -22,11 +22,13 @@ import dataclasses
 import functools
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pydantic
 
 from api_proc.admission import AdmissionController, Reservation
+from api_proc.chat_output import ChatOutputParser
 from api_proc.config import ApiConfig
 from api_proc.detokenizer import IncrementalDetokenizer
 from api_proc.engine_client import EngineClient, RequestStream
@@ -45,9 +47,11 @@ from api_proc.protocol import (
     ImageURLPart,
     UsageInfo,
 )
+from api_proc.reasoning_parser import ReasoningParser, start_mode
 from api_proc.request_body import RequestBody
 from api_proc.tool_grammar import tool_call_constraint
-from api_proc.tool_parser import ToolCallParser
+from api_proc.tool_parser import ToolCallParser, read_hermes_call
+from api_proc.xml_tool_call import XmlCallReader, parameter_types
 from shared.messages import AddRequest, ImageInput
 from shared.sampling_params import SamplingParams
 
@@ -68,7 +72,7 @@ class Choice:
     first_token_at: float | None = None  # time.monotonic(), for the latency metrics
     last_token_at: float | None = None
     num_chars: int = 0  # of the completion so far (completion logprobs' text_offset)
-    tool_calls: ToolCallParser | None = None  # chat with tools: reads the calls out
+    output: ChatOutputParser | None = None  # chat: reads reasoning and tool calls out
 
 
 @dataclass(eq=False)
@@ -85,6 +89,7 @@ class Prepared:
     choices: list[Choice]
     arrival: float
     first_token_at: float | None = None
+    reasoning: bool = False  # a reasoning parser reads the choices (messages carry its fields)
 
     @property
     def usage(self) -> UsageInfo:
@@ -175,9 +180,32 @@ class Serving:
                              "--tool-call-parser to be set", param="tool_choice")
         named = req.tool_choice.function.name if mode == "named" else None
         parallel = req.parallel_tool_calls is not False
-        structured = tool_call_constraint(req.tools, mode, named, parallel)
-        return dataclasses.replace(settings, structured=structured or settings.structured,
-                                   parse_tool_calls=True, parallel_tool_calls=parallel)
+        structured = tool_call_constraint(req.tools, mode, named, parallel,
+                                          self.config.tool_call_parser or "hermes")
+        if structured is None:
+            return dataclasses.replace(settings, parse_tool_calls=True,
+                                       parallel_tool_calls=parallel)
+        # auto: text is free until a call starts; required, named: a call from the start
+        return dataclasses.replace(settings, structured=structured, parse_tool_calls=True,
+                                   parallel_tool_calls=parallel, constrained=mode != "auto")
+
+    def _output_parsers(self, settings: _RequestSettings, tools: list[dict] | None,
+                        start: str | None) -> Callable[[], ChatOutputParser] | None:
+        """What makes each choice's reader of reasoning and tool calls (None: its text is
+        read as it is); `start`: where the reasoning parser starts (reasoning_parser.py)."""
+        reasoning = self.config.reasoning_parser
+        if reasoning is None and not settings.parse_tool_calls:
+            return None
+        read_call = read_hermes_call
+        if settings.parse_tool_calls and self.config.tool_call_parser == "qwen3_coder":
+            read_call = XmlCallReader(parameter_types(tools or []))
+        parallel = settings.parallel_tool_calls
+
+        def make() -> ChatOutputParser:
+            return ChatOutputParser(
+                None if reasoning is None else ReasoningParser.create(reasoning, start),
+                ToolCallParser(parallel, read_call) if settings.parse_tool_calls else None)
+        return make
 
     def _check_n(self, n: int) -> None:
         if n > self.config.max_n:
@@ -195,6 +223,7 @@ class Serving:
                                   param="messages", code="too_many_images")
         messages = template_messages(req.messages)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        template_kwargs = {**self.config.template_defaults, **(req.chat_template_kwargs or {})}
         requested = req.requested_max_tokens
         settings = self._tool_settings(req, _RequestSettings.of(req))
         req = None  # R1: the model held the base64 strings; only the MediaRefs do now
@@ -204,17 +233,28 @@ class Serving:
         encoded = await _settle([self.loader.fetch(ref) for ref in refs])
         refs = None
         grids = [e.grid_thw for e in encoded]
+        build = functools.partial(self._chat_prompt, messages, grids, tools, template_kwargs)
         if sum(len(str(m["content"])) for m in messages) > OFFLOAD_TEXT_CHARS:
-            prompt_ids = await asyncio.to_thread(self.builder.build_chat, messages, grids, tools)
+            prompt_ids, prompt_end = await asyncio.to_thread(build)
         else:
-            prompt_ids = self.builder.build_chat(messages, grids, tools)
+            prompt_ids, prompt_end = build()
+        parser = self.config.reasoning_parser
+        start = parser and start_mode(parser, prompt_end, template_kwargs, settings.constrained)
+        make_output = self._output_parsers(settings, tools, start)
         max_tokens = self.builder.resolve_max_tokens(len(prompt_ids), requested)
         sampling = [self._sampling(settings, max_tokens, i) for i in range(settings.n)]
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._hand_off(rid, [prompt_ids] * settings.n, sampling, encoded,
                                        body.reservation)
         encoded = None
-        return self._prepared("chat", rid, arrival, settings, len(prompt_ids), streams)
+        return self._prepared("chat", rid, arrival, settings, len(prompt_ids), streams,
+                              make_output)
+
+    def _chat_prompt(self, messages: list[dict], grids: list[tuple[int, int, int]],
+                     tools: list[dict] | None, template_kwargs: dict) -> tuple[list[int], str]:
+        """The prompt's token ids, and the end of its text (where thinking may be open)."""
+        text = self.builder.render_chat(messages, tools=tools, template_kwargs=template_kwargs)
+        return self.builder.prompt_ids(text, grids), text[-64:]
 
     async def prepare_completion(self, body: RequestBody, arrival: float) -> Prepared:
         req = _parse(CompletionRequest, body.take())
@@ -251,20 +291,21 @@ class Serving:
                 choice.echo = texts[choice.index // settings.n]
         return prepared
 
-    def _prepared(self, kind, rid, arrival, settings, num_prompt_tokens, streams) -> Prepared:
+    def _prepared(self, kind, rid, arrival, settings, num_prompt_tokens, streams,
+                  make_output: Callable[[], ChatOutputParser] | None = None) -> Prepared:
         decoder = (self.builder.decoder if settings.skip_special_tokens
                    else self.builder.decoder_with_specials)
         choices = [Choice(i, s, IncrementalDetokenizer(decoder, settings.stop,
                                                        settings.include_stop_str_in_output),
                           logprobs=None if settings.logprobs is None else [],
-                          tool_calls=ToolCallParser(settings.parallel_tool_calls)
-                          if settings.parse_tool_calls else None)
+                          output=None if make_output is None else make_output())
                    for i, s in enumerate(streams)]
         self.metrics.prompt_tokens.inc(num_prompt_tokens)
         return Prepared(kind=kind, id=rid, created=int(time.time()),
                         model=self.config.model_name, stream=settings.stream,
                         include_usage=settings.include_usage,
-                        num_prompt_tokens=num_prompt_tokens, choices=choices, arrival=arrival)
+                        num_prompt_tokens=num_prompt_tokens, choices=choices, arrival=arrival,
+                        reasoning=kind == "chat" and self.config.reasoning_parser is not None)
 
     async def _hand_off(self, rid: str, prompt_ids: list[list[int]],
                         sampling: list[SamplingParams], encoded: list[EncodedImage],
@@ -404,6 +445,7 @@ class _RequestSettings:
     include_stop_str_in_output: bool
     parse_tool_calls: bool = False  # chat with a tool choice other than none
     parallel_tool_calls: bool = True
+    constrained: bool = False  # a grammar governs the output from its first token
 
     @classmethod
     def of(cls, req) -> _RequestSettings:
@@ -416,4 +458,5 @@ class _RequestSettings:
                    logit_bias=req.logit_bias, logprobs=req.requested_logprobs,
                    logprobs_field="logprobs" if hasattr(req, "prompt") else "top_logprobs",
                    structured=req.structured, skip_special_tokens=req.skip_special_tokens,
-                   include_stop_str_in_output=req.include_stop_str_in_output)
+                   include_stop_str_in_output=req.include_stop_str_in_output,
+                   constrained=req.structured is not None)

@@ -1,4 +1,5 @@
-"""Tool calls in Qwen's (hermes) format, out of the completion's text:
+"""Tool calls in Qwen's (hermes) format, out of the completion's text (Qwen3-Coder's XML
+inside the same tags: xml_tool_call.py):
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -23,12 +24,13 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
 
 
-def _call(body: str) -> tuple[str, str] | None:
+def read_hermes_call(body: str) -> tuple[str, str] | None:
     """(name, arguments JSON) of a call's body, or None when it is not a call."""
     try:
         call = json.loads(body)
@@ -54,12 +56,16 @@ class ToolCallParser:
     """Fed text deltas, returns OpenAI delta dicts: `{"content": ...}` or
     `{"tool_calls": [...]}` (a call's first delta: index, id, type, function.name with
     arguments ""; its second: index and the arguments). `parallel`: false keeps only the
-    first call, as OpenAI's parallel_tool_calls: false asks."""
+    first call, as OpenAI's parallel_tool_calls: false asks. `read_call`: a call's body
+    (between the tags) to (name, arguments JSON), None when it is not a call: hermes' JSON
+    by default, Qwen3-Coder's XML with xml_tool_call.XmlCallReader."""
 
-    __slots__ = ("_parallel", "_buf", "_in_call", "_held", "_said", "num_calls")
+    __slots__ = ("_parallel", "_read_call", "_buf", "_in_call", "_held", "_said", "num_calls")
 
-    def __init__(self, parallel: bool = True) -> None:
+    def __init__(self, parallel: bool = True,
+                 read_call: Callable[[str], tuple[str, str] | None] = read_hermes_call) -> None:
         self._parallel = parallel
+        self._read_call = read_call
         self._buf = ""  # outside a call: may begin a tag; inside: the call's text so far
         self._in_call = False
         self._held = ""  # whitespace that opens a run of content, kept until it is decided
@@ -117,7 +123,7 @@ class ToolCallParser:
         out.append({"content": text})
 
     def _close_call(self, body: str, end_tag: str, out: list[dict]) -> None:
-        call = _call(body)
+        call = self._read_call(body)
         if call is None:  # not a call: its text is content, tags included
             self._content(TOOL_CALL_START + body + end_tag, out)
             return

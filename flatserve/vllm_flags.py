@@ -88,7 +88,6 @@ FLAGS = (
     VllmFlag(("--lora-modules", "--max-loras", "--max-lora-rank"), NO_LORA),
     VllmFlag(("--speculative-config",), "no speculative decoding"),
     VllmFlag(("--compilation-config", "-O"), EAGER),
-    VllmFlag(("--reasoning-parser",), "no reasoning parser: the output is returned as text"),
     VllmFlag(("--enable-expert-parallel", "-ep"), "no expert parallelism", False),
     VllmFlag(("--distributed-executor-backend",),
              "engines and their ranks are flatserve's own processes (vLLM's mp)",

@@ -30,7 +30,11 @@ def test_defaults_and_derived_values(tiny_model_path):
     ({"allowed_media_domains": ("ok.com", " ")}, "empty"),
     ({"engine_addresses": ("http://x",)}, "engine address"),
     ({"chat_template": "/no/such/file.jinja"}, "chat_template"),
-    ({"tool_call_parser": "mistral"}, "tool_call_parser must be one of hermes"),
+    ({"tool_call_parser": "mistral"}, "tool_call_parser must be one of hermes, qwen3_coder"),
+    ({"reasoning_parser": "granite"}, "reasoning_parser must be one of deepseek_r1, qwen3"),
+    ({"default_chat_template_kwargs": '{"tools": []}'},
+     "default_chat_template_kwargs: tools cannot be set"),
+    ({"default_chat_template_kwargs": "[1]"}, "is not a JSON object"),
     ({"enable_auto_tool_choice": True}, "needs tool_call_parser"),
 ])
 def test_validation(tiny_model_path, kw, match):
@@ -62,6 +66,23 @@ def test_cli_defaults_come_from_the_dataclass(tiny_model_path):
     assert config.allow_private_media_addresses is True
     assert config.admission_timeout_s == 2.5
     assert config.engine_addresses == ("ipc:///tmp/e0.sock",)
+
+
+def test_parsers_and_template_defaults_from_the_command_line(tiny_model_path, capsys):
+    parser = ApiConfig.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--model", str(tiny_model_path), "--reasoning-parser", "qwen3",
+                              "--tool-call-parser", "qwen3_coder", "--enable-auto-tool-choice",
+                              "--default-chat-template-kwargs", '{"enable_thinking": false}'])
+    config = ApiConfig.from_cli_args(args)
+    assert (config.reasoning_parser, config.tool_call_parser) == ("qwen3", "qwen3_coder")
+    assert config.template_defaults == {"enable_thinking": False}
+    assert ApiConfig(model=str(tiny_model_path)).template_defaults == {}
+    for argv, says in [(["--reasoning-parser", "granite"], "invalid choice: 'granite'"),
+                       (["--default-chat-template-kwargs", '{"messages": 1}'],
+                        "messages cannot be set")]:
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv)
+        assert says in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kw, match", [

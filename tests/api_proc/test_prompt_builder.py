@@ -105,3 +105,21 @@ def test_template_errors_are_400(tiny_model_path):
     b._template = compile_chat_template("{{ raise_exception('no system role') }}")
     with pytest.raises(BadRequest, match="no system role"):
         b.render_chat([{"role": "user", "content": "x"}])
+
+
+def test_chat_template_kwargs_reach_the_template_beside_its_own_variables(tiny_model_path):
+    from api_proc.prompt_builder import compile_chat_template
+
+    b = PromptBuilder.from_pretrained(tiny_model_path)
+    b._template = compile_chat_template(
+        "{{ messages | length }}:{{ add_generation_prompt }}:"
+        "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>"
+        "{% else %}<think>{% endif %}{{ extra | default('') }}")
+    messages = [{"role": "user", "content": "x"}]
+    assert b.render_chat(messages) == "1:True:<think>"
+    assert b.render_chat(messages, template_kwargs={"enable_thinking": False}) == \
+        "1:True:<think>\n\n</think>"
+    assert b.render_chat(messages, template_kwargs={"extra": [1, {"a": None}]}) == \
+        "1:True:<think>[1, {'a': None}]"
+    ids = b.build_chat(messages, [], template_kwargs={"enable_thinking": True})
+    assert b.decoder.decode(ids) == "1:True:<think>"

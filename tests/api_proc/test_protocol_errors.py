@@ -95,7 +95,7 @@ def test_numbers_that_cannot_reach_the_engine_are_refused(field, value):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("chat_template_kwargs", {}), ("functions", []),
+    ("mm_processor_kwargs", {}), ("functions", []),
 ])
 def test_a_field_the_server_does_not_honour_is_refused_by_name(field, value):
     with pytest.raises(ValidationError) as e:
@@ -103,6 +103,24 @@ def test_a_field_the_server_does_not_honour_is_refused_by_name(field, value):
             {"messages": [{"role": "user", "content": "x"}], field: value})
     message = format_validation_errors(e.value.errors(include_input=False))
     assert message.startswith(f"{field}: not supported by this server")
+
+
+def test_chat_template_kwargs_take_json_values_but_not_the_templates_own_names():
+    kwargs = {"enable_thinking": False, "n": 1.5, "list": [1, "a", None], "d": {"x": {}}}
+    req = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": kwargs})
+    assert req.chat_template_kwargs == kwargs
+    for bad, says in [({"messages": []}, "messages cannot be set"),
+                      ({"tools": 1, "add_generation_prompt": False},
+                       "add_generation_prompt, tools cannot be set"),
+                      ({"x": "y" * 70000}, "longer than 65536 characters"),
+                      ([1], "Input should be a valid dictionary")]:
+        with pytest.raises(ValidationError) as e:
+            ChatCompletionRequest.model_validate(
+                {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": bad})
+        message = format_validation_errors(e.value.errors(include_input=False))
+        assert message.startswith("chat_template_kwargs: ") and says in message, message
+        assert "yyyy" not in message
 
 
 def test_neutral_values_and_harmless_fields_are_accepted():

@@ -64,3 +64,43 @@ def test_auto_is_free_unless_a_function_is_strict():
     auto = tool_call_constraint(strict, "auto", None, parallel=True)
     assert accepts(auto, "Hello.") and accepts(auto, "Sure. " + TIME + " done")
     assert not accepts(auto, "Sure. " + call("get_time", {"zone": "PST"}))
+
+
+def xml_call(name: str, body: str) -> str:
+    return f"<tool_call>\n<function={name}>\n{body}\n</function>\n</tool_call>"
+
+
+WEATHER = Tool.model_validate({"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    "required": ["city", "days"], "additionalProperties": False}}})
+XML_WEATHER = xml_call("weather", "<parameter=city>\nLe Mans\n</parameter>\n"
+                                  "<parameter=days>\n3\n</parameter>")
+
+
+def test_qwen3_coder_calls_are_qwen3_coder_xml_that_its_parser_reads():
+    from api_proc.tool_parser import ToolCallParser, assemble
+    from api_proc.xml_tool_call import XmlCallReader, parameter_types
+
+    tools = [*TOOLS, WEATHER]
+    named = tool_call_constraint(tools, "named", "weather", True, "qwen3_coder")
+    assert accepts(named, XML_WEATHER)
+    assert not accepts(named, xml_call("weather", "<parameter=city>\nX\n</parameter>\n"
+                                                  "<parameter=days>\nthree\n</parameter>"))
+    assert not accepts(named, xml_call("weather", "<parameter=city>\nX\n</parameter>"))
+    assert not accepts(named, call("weather", {"city": "X", "days": 1}))  # hermes JSON
+    required = tool_call_constraint(tools, "required", None, False, "qwen3_coder")
+    time = xml_call("get_time", "<parameter=zone>UTC</parameter>")
+    assert accepts(required, time) and accepts(required, xml_call("ping", ""))
+    assert not accepts(required, xml_call("get_time", "<parameter=zone>PST</parameter>"))
+    assert not accepts(required, time + "\n" + time)  # parallel false: one call
+    parser = ToolCallParser(True, XmlCallReader(parameter_types(
+        [t.model_dump(exclude_none=True) for t in tools])))
+    strict = [WEATHER.model_copy(update={"function": WEATHER.function.model_copy(
+        update={"strict": True})})]
+    auto = tool_call_constraint(strict, "auto", None, True, "qwen3_coder")
+    assert accepts(auto, "Hello.") and accepts(auto, "Sure. " + XML_WEATHER + " done")
+    assert not accepts(auto, "Sure. " + xml_call("weather", "<parameter=days>\n3\n</parameter>"))
+    content, calls = assemble([*parser.feed(XML_WEATHER + "\n" + time), *parser.finish()])
+    assert content is None
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [
+        {"city": "Le Mans", "days": 3}, {"zone": "UTC"}]

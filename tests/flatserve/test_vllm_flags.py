@@ -196,6 +196,39 @@ def test_flags_that_cannot_apply_are_refused_by_name(capsys, argv, says):
     assert line.startswith("flatserve serve: error: ") and says in line
 
 
+def test_qwen35_recipe_flags_are_flatserves_own(tiny_model_path):
+    """vLLM's recipe for Qwen3.5: --reasoning-parser qwen3 --enable-auto-tool-choice
+    --tool-call-parser qwen3_coder (and --default-chat-template-kwargs)."""
+    from api_proc.config import ApiConfig
+
+    args = parse(str(tiny_model_path), "--reasoning-parser", "qwen3", "--enable-auto-tool-choice",
+                 "--tool-call-parser", "qwen3_coder", "--default-chat-template-kwargs",
+                 '{"enable_thinking": false}')
+    config = ApiConfig.from_cli_args(args, model=args.model_tag)
+    assert (config.reasoning_parser, config.tool_call_parser) == ("qwen3", "qwen3_coder")
+    assert config.template_defaults == {"enable_thinking": False}
+    assert parse("--reasoning-parser", "deepseek_r1").reasoning_parser == "deepseek_r1"
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--reasoning-parser", "granite"], "argument --reasoning-parser: invalid choice: 'granite'"),
+    (["--default-chat-template-kwargs", '{"tools": []}'], "tools cannot be set"),
+])
+def test_unknown_parsers_fail_in_one_line_before_any_process(argv, says):
+    done = subprocess.run([sys.executable, "-m", "flatserve.cli", "serve", "/models/x", *argv],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and says in done.stderr.strip().splitlines()[-1]
+
+
+def test_an_unknown_tool_call_parser_fails_in_one_line(tiny_model_path):
+    done = subprocess.run([sys.executable, "-m", "flatserve.cli", "serve", str(tiny_model_path),
+                           "--tool-call-parser", "mistral"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "tool_call_parser must be one of hermes, qwen3_coder, got 'mistral'" in \
+        done.stderr.strip().splitlines()[-1]
+
+
 def test_a_refusal_comes_before_any_process_starts():
     done = subprocess.run([sys.executable, "-m", "flatserve.cli", "serve", "/models/x",
                            "--quantization", "awq"], capture_output=True, text=True, timeout=60)
