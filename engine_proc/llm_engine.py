@@ -76,6 +76,8 @@ class LLMEngine:
         tensor_parallel_size: int = EngineConfig.tensor_parallel_size,
         tp_label: str = "",
         mamba_ssm_cache_dtype: str = EngineConfig.mamba_ssm_cache_dtype,
+        mamba_cache_mode: str = EngineConfig.mamba_cache_mode,
+        state_snapshot_bytes: int = EngineConfig.state_snapshot_bytes,
     ):
         self.config: ModelConfig = load_model_config(model_path)
         self.max_model_len = min(
@@ -97,12 +99,15 @@ class LLMEngine:
             max_num_seqs=max_num_seqs,
             max_model_len=self.max_model_len,
             ssm_state_dtype=mamba_ssm_cache_dtype,
+            state_snapshot_bytes=(state_snapshot_bytes if enable_prefix_caching
+                                  and mamba_cache_mode == "align" else 0),
         )
         self._log_cache_sizes()
-        if self.config.text.is_hybrid and enable_prefix_caching:
+        if (self.config.text.is_hybrid and enable_prefix_caching
+                and not self.model_runner.num_state_snapshots):
             # a KV block hit has no recurrent state at its boundary to resume from
-            logger.info("prefix caching is off for %s: its linear-attention layers keep a "
-                        "recurrent state that a cached KV prefix does not restore",
+            logger.info("prefix caching is off for %s: no recurrent state snapshots "
+                        "(--mamba-cache-mode none or no room for them)",
                         self.config.architecture)
             enable_prefix_caching = False
         if encoder_cache_bytes < 0:
@@ -121,6 +126,7 @@ class LLMEngine:
             enable_prefix_caching=enable_prefix_caching,
             decode_share=decode_share,
             num_state_slots=self.model_runner.num_state_slots,
+            num_state_snapshots=self.model_runner.num_state_snapshots,
         )
         self.structured = self.model_runner.structured = StructuredOutputs(
             model_path, self.config.text.vocab_size, self.config.eos_token_ids)
@@ -151,6 +157,8 @@ class LLMEngine:
             tensor_parallel_size=config.tensor_parallel_size,
             tp_label=f"engine {config.rank}",
             mamba_ssm_cache_dtype=config.mamba_ssm_cache_dtype,
+            mamba_cache_mode=config.mamba_cache_mode,
+            state_snapshot_bytes=config.state_snapshot_bytes,
         )
 
     def _log_cache_sizes(self) -> None:
@@ -160,7 +168,8 @@ class LLMEngine:
                 f"{runner.kv_cache_bytes / 2**20:.1f} MiB over {text.num_attention_layers} "
                 "attention layers")
         if runner.state_shape is not None:
-            line += (f"; recurrent state: {runner.num_state_slots} slots of "
+            line += (f"; recurrent state: {runner.num_state_slots} slots and "
+                     f"{runner.num_state_snapshots} prefix-cache snapshots of "
                      f"{runner.state_shape.slot_bytes / 2**20:.2f} MiB, "
                      f"{runner.state_cache_bytes / 2**20:.1f} MiB over {text.num_linear_layers} "
                      f"linear layers ({str(runner.state_shape.ssm_dtype).removeprefix('torch.')})")
@@ -233,6 +242,7 @@ class LLMEngine:
             # frames alive, and with them the pixels and embeddings in their locals (R3)
             logger.error("step failed for %d requests: %s", batch.num_seqs, traceback.format_exc())
         if token_ids is None:
+            self.scheduler.abandon(batch)
             outputs.extend(self._fail(batch, error))
             return outputs
         self.scheduler.decode_share.account(batch, time.perf_counter() - started)

@@ -80,6 +80,10 @@ def warn_if_emulated(device: torch.device, dtype: torch.dtype) -> None:
                        "consider --dtype float32", str(dtype).removeprefix("torch."), capability)
 
 
+def _pairs(pairs: list[tuple[int, int]]) -> np.ndarray:
+    return np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -99,6 +103,7 @@ class ModelRunner:
         max_num_seqs: int = 0,
         max_model_len: int = 0,
         ssm_state_dtype: str | None = None,
+        state_snapshot_bytes: int = 0,
     ):
         """tensor_parallel_size > 1: this runner is rank 0 and starts the other ranks
         (engine_proc/tensor_parallel.py; `tp_label` names them); vision=False: a worker
@@ -107,7 +112,9 @@ class ModelRunner:
         Hybrid models (Qwen3.5) get a recurrent state slot for each of `max_num_seqs`
         sequences, carved from the budget before the KV blocks (engine_proc/state_cache.py;
         `num_state_slots` may come out lower); `ssm_state_dtype` overrides the checkpoint's
-        recurrent state dtype (None or "auto": the checkpoint's, float32 as published)."""
+        recurrent state dtype (None or "auto": the checkpoint's, float32 as published).
+        `state_snapshot_bytes`: states kept for prefix caching (engine_proc/state_snapshots.py),
+        -1 for one per slot; from the budget after the slots, fewer if it is short."""
         self.config = config
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, config)
@@ -127,20 +134,23 @@ class ModelRunner:
                 gpu_memory_utilization=gpu_memory_utilization,
                 max_num_kv_blocks=max_num_kv_blocks, device=str(self.device),
                 dtype=str(self.dtype).removeprefix("torch."), max_num_seqs=max_num_seqs,
-                max_model_len=max_model_len, ssm_state_dtype=ssm_state_dtype), label=tp_label)
+                max_model_len=max_model_len, ssm_state_dtype=ssm_state_dtype,
+                state_snapshot_bytes=state_snapshot_bytes), label=tp_label)
         try:
             self.model = model_class(config)(config, self.device, self.dtype, vision=vision)
             self.model.load_weights(config.path)
             self.model.eval()
             self.state_shape = self._state_shape(ssm_state_dtype)
             self.max_model_len = max_model_len or config.text.max_position_embeddings
-            num_blocks, num_slots = self._size_caches(
+            num_blocks, num_slots, num_snapshots = self._size_caches(
                 num_kv_blocks, kv_cache_memory_bytes, kv_cache_memory_fraction,
-                max_num_kv_blocks, gpu_memory_utilization, max_num_seqs,
+                max_num_kv_blocks, gpu_memory_utilization, max_num_seqs, state_snapshot_bytes,
             )
             # every rank sized its own share of the caches: all take the smallest counts
-            self.num_kv_blocks = all_reduce_min(num_blocks, tp_shard(), self.device)
-            self.num_state_slots = all_reduce_min(num_slots, tp_shard(), self.device)
+            shard = tp_shard()
+            self.num_kv_blocks = all_reduce_min(num_blocks, shard, self.device)
+            self.num_state_slots = all_reduce_min(num_slots, shard, self.device)
+            self.num_state_snapshots = all_reduce_min(num_snapshots, shard, self.device)
         except BaseException:
             self.close()
             raise
@@ -156,8 +166,9 @@ class ModelRunner:
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
         self.state_cache = None
         if self.state_shape is not None:
-            self.state_cache = allocate_state_cache(self.model, self.state_shape,
-                                                    self.num_state_slots, self.device)
+            self.state_cache = allocate_state_cache(
+                self.model, self.state_shape, self.num_state_slots + self.num_state_snapshots,
+                self.device)
         self.encoder_cache = EncoderCache(0)  # sized by the engine (default_encoder_cache_bytes)
 
     def close(self) -> None:
@@ -195,7 +206,7 @@ class ModelRunner:
     def state_cache_bytes(self) -> int:
         if self.state_shape is None:
             return 0
-        return self.num_state_slots * self.state_shape.slot_bytes
+        return (self.num_state_slots + self.num_state_snapshots) * self.state_shape.slot_bytes
 
     def _state_shape(self, ssm_state_dtype: str | None) -> StateShape | None:
         text = self.config.text
@@ -207,15 +218,18 @@ class ModelRunner:
         return StateShape.of(text, tp_shard().size, self.dtype, DTYPES[name])
 
     def _size_caches(self, num_kv_blocks, memory_bytes, memory_fraction, max_num_kv_blocks,
-                     gpu_memory_utilization, max_num_seqs) -> tuple[int, int]:
-        """(KV blocks, state slots). The state slots come out of an explicit or device
-        budget first; the CPU default is CPU_KV_CACHE_BYTES of KV plus the slots."""
+                     gpu_memory_utilization, max_num_seqs,
+                     snapshot_bytes) -> tuple[int, int, int]:
+        """(KV blocks, state slots, state snapshots). The slots, then the snapshots, come
+        out of an explicit or device budget first; the CPU default is CPU_KV_CACHE_BYTES of
+        KV plus the slots and snapshots."""
         if self.state_shape is None:
             return self._num_kv_blocks(num_kv_blocks, memory_bytes, memory_fraction,
-                                       max_num_kv_blocks, gpu_memory_utilization), 0
+                                       max_num_kv_blocks, gpu_memory_utilization), 0, 0
         if max_num_seqs < 1:
             raise ValueError("a hybrid model needs max_num_seqs to size its state slots")
         slot_bytes = self.state_shape.slot_bytes
+        num_snapshots = max_num_seqs if snapshot_bytes < 0 else snapshot_bytes // slot_bytes
         if num_kv_blocks or (memory_bytes is None and not self.on_cuda):
             num_slots = max_num_seqs
         else:
@@ -223,10 +237,15 @@ class ModelRunner:
                 memory_fraction, gpu_memory_utilization)
             full_sequence = -(-self.max_model_len // self.block_size) * self.kv_block_bytes
             num_slots = plan_state_slots(max_num_seqs, slot_bytes, budget, full_sequence)
-            memory_bytes = budget - num_slots * slot_bytes
+            room = (budget - full_sequence) // slot_bytes - num_slots
+            if room < num_snapshots:
+                logger.warning("prefix caching keeps %d recurrent state snapshots, not %d: "
+                               "the KV cache budget holds no more", max(room, 0), num_snapshots)
+                num_snapshots = max(room, 0)
+            memory_bytes = budget - (num_slots + num_snapshots) * slot_bytes
         num_blocks = self._num_kv_blocks(num_kv_blocks, memory_bytes, memory_fraction,
                                          max_num_kv_blocks, gpu_memory_utilization)
-        return num_blocks, num_slots
+        return num_blocks, num_slots, num_snapshots
 
     def _device_budget(self, memory_fraction: float, gpu_memory_utilization: float | None) -> int:
         """The caches' bytes on CUDA when no budget is given: vLLM's meaning of
@@ -308,9 +327,10 @@ class ModelRunner:
         inputs, sample_seqs = self.prepare(batch)
         pieces = self._image_rows(batch, inputs)  # vision work, on rank 0 only
         if self.workers is not None:
-            logits = self.workers.forward(self.model, inputs, pieces, self._to_device)
+            logits = self.workers.forward(self.model, inputs, pieces, self._to_device,
+                                          self.state_cache)
         else:
-            logits = forward_step(self.model, inputs, pieces, self._to_device)
+            logits = forward_step(self.model, inputs, pieces, self._to_device, self.state_cache)
         del pieces
         if logits is None:
             return [], None
@@ -362,6 +382,9 @@ class ModelRunner:
             image_rows=NO_IMAGE_ROWS,
             state_slots=None if self.state_shape is None else np.fromiter(
                 (s.state_slot for s in batch.seqs), dtype=np.int64, count=len(batch.seqs)),
+            state_restores=_pairs(batch.state_restores),
+            state_saves=_pairs([(seq.state_slot, snapshot)
+                                for seq, snapshot, _ in batch.state_saves]),
         )
         return inputs, sample_seqs
 
@@ -542,7 +565,8 @@ class ModelRunner:
         first: dict[bytes, ImageSpan] = {}
         unique, copies = [], []
         for image in images:
-            owner = first.setdefault(image.key, image)
+            # with every cache off images have no key (b""): none is a copy of another
+            owner = first.setdefault(image.key, image) if image.key else image
             if owner is image:
                 unique.append(image)
             else:

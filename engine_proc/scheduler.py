@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from engine_proc.block_manager import BlockManager
 from engine_proc.sequence import ImageSpan, Sequence, SequenceStatus
 from engine_proc.state_cache import StateSlots
+from engine_proc.state_snapshots import StateSnapshots
 
 
 class RequestRejected(ValueError):
@@ -61,6 +62,10 @@ class ScheduledBatch:
     num_decode_seqs: int = 0  # the first num_decode_seqs entries compute exactly one token
     encoder_stage: ImageSpan | None = None  # an image this step runs one vision stage of
     ran_vision: bool = False  # it encodes images or runs a vision stage
+    # hybrid prefix caching (engine_proc/state_snapshots.py): (snapshot, slot) copied before
+    # the forward; (sequence, snapshot, tokens) of the states saved after it
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[tuple[Sequence, int, int]] = field(default_factory=list)
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
         self.seqs.append(seq)
@@ -174,9 +179,12 @@ class Scheduler:
         enable_prefix_caching: bool = True,
         decode_share: float = 0.0,
         num_state_slots: int = 0,
+        num_state_snapshots: int = 0,
     ):
         """num_state_slots: hybrid models' recurrent state slots (engine_proc/state_cache.py),
-        one per running sequence; 0 for models without."""
+        one per running sequence; 0 for models without. num_state_snapshots: with prefix
+        caching, the states kept at block boundaries (engine_proc/state_snapshots.py), in
+        the slots after the running ones."""
         if max_num_batched_tokens < max_num_seqs:
             # every running sequence must get its decode token each step, or some starve
             raise ValueError(
@@ -185,6 +193,9 @@ class Scheduler:
             )
         self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
         self.state_slots = StateSlots(num_state_slots) if num_state_slots else None
+        self.snapshots = None
+        if num_state_slots and enable_prefix_caching and num_state_snapshots:
+            self.snapshots = StateSnapshots(num_state_slots, num_state_snapshots)
         if num_state_slots:
             max_num_seqs = min(max_num_seqs, num_state_slots)  # a slot for every running one
         self.max_num_seqs = max_num_seqs
@@ -268,6 +279,8 @@ class Scheduler:
                 self.block_manager.append(seq)
             batch.add(seq, 1)
             scheduled.add(seq.seq_id)
+            if self.snapshots is not None:
+                self._plan_save(batch, seq, seq.num_computed_tokens + 1)
         budget -= batch.num_seqs
         batch.num_decode_seqs = batch.num_seqs
         if batch.seqs and self.decode_share.wants_decode_step():
@@ -282,7 +295,7 @@ class Scheduler:
             if seq.has_images:
                 num_new = encoder.fit(seq, seq.num_computed_tokens, num_new)
             if num_new:
-                batch.add(seq, num_new)
+                num_new = self._add_chunk(batch, seq, seq.num_computed_tokens, num_new)
                 budget -= num_new
         # 3. admit waiting sequences (not in a step that had to preempt: they would thrash)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -292,6 +305,9 @@ class Scheduler:
             if seq.grammar_future is not None:
                 break  # its grammar is still compiling (FIFO: the queue waits a step or two)
             cached = self.block_manager.find_cached_blocks(seq)
+            snapshot = None
+            if self.snapshots is not None:
+                cached, snapshot = self._cut_to_snapshot(seq, cached)
             num_tokens = self.num_tokens_to_reserve(seq)
             if not self.block_manager.can_allocate(num_tokens, cached):
                 break
@@ -306,8 +322,10 @@ class Scheduler:
             self.waiting.popleft()
             self.block_manager.allocate(seq, num_tokens, cached)
             self._admit(seq, num_cached_tokens)
+            if snapshot is not None:
+                batch.state_restores.append((snapshot, seq.state_slot))
             if num_new:
-                batch.add(seq, num_new)
+                num_new = self._add_chunk(batch, seq, num_cached_tokens, num_new)
                 budget -= num_new
         if encoder.stage is None and encoder.staged is not None and not encoder.used:
             encoder.take_stage(encoder.staged)  # its sequence was not reached this step
@@ -315,6 +333,60 @@ class Scheduler:
         batch.ran_vision = encoder.used
         self.staged = encoder.staged
         return batch
+
+    def _cut_to_snapshot(self, seq: Sequence, cached: list[int]) -> tuple[list[int], int | None]:
+        """Hybrid models: the cached run cut back to its last block with a state snapshot
+        after it, and that snapshot (or no blocks and None)."""
+        for i in range(len(cached) - 1, -1, -1):
+            snapshot = self.snapshots.lookup(seq.block_hashes[i])
+            if snapshot is not None:
+                return cached[: i + 1], snapshot
+        return [], None
+
+    def _add_chunk(self, batch: ScheduledBatch, seq: Sequence, start: int, num_new: int) -> int:
+        """Add `seq`'s prefill chunk of up to `num_new` tokens from `start`; returns its
+        length. Hybrid prefix caching cuts it at the last block boundary of the prompt (so
+        that state can be kept) and plans the save."""
+        if self.snapshots is not None:
+            boundary = self._prompt_boundary(seq)
+            if start < boundary < start + num_new:
+                num_new = boundary - start
+            if start + num_new == boundary:
+                self._plan_save(batch, seq, boundary)
+        batch.add(seq, num_new)
+        return num_new
+
+    def _prompt_boundary(self, seq: Sequence) -> int:
+        """The last block boundary before the prompt's last token (whose logits a hit
+        must still compute): where a later request with this prompt and more resumes."""
+        block_size = self.block_manager.block_size
+        return (seq.num_prompt_tokens - 1) // block_size * block_size
+
+    def _plan_save(self, batch: ScheduledBatch, seq: Sequence, num_tokens: int) -> None:
+        """Save `seq`'s state after this step when its computed tokens then end a block."""
+        if num_tokens == 0 or num_tokens % self.block_manager.block_size:
+            return
+        snapshot = self.snapshots.take()
+        if snapshot is not None:
+            batch.state_saves.append((seq, snapshot, num_tokens))
+
+    def _register_saves(self, batch: ScheduledBatch) -> None:
+        """The step ran: its saved snapshots become findable under their blocks' hashes.
+        A sequence keeps one snapshot of its decoding (the latest) beside its prompt's."""
+        block_size = self.block_manager.block_size
+        for seq, snapshot, num_tokens in batch.state_saves:
+            digest = seq.block_hashes[num_tokens // block_size - 1]
+            self.snapshots.register(snapshot, digest)
+            if num_tokens > seq.num_prompt_tokens:
+                if seq.decode_snapshot is not None:
+                    self.snapshots.release_if_holds(*seq.decode_snapshot)
+                seq.decode_snapshot = (snapshot, digest)
+
+    def abandon(self, batch: ScheduledBatch) -> None:
+        """A step that failed: the snapshots it was to save hold nothing."""
+        if self.snapshots is not None:
+            for _, snapshot, _ in batch.state_saves:
+                self.snapshots.release(snapshot)
 
     def _admit(self, seq: Sequence, num_cached_tokens: int) -> None:
         """Start running `seq`, whose first `num_cached_tokens` tokens were found cached."""
@@ -363,6 +435,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _free_state_slot(self, seq: Sequence) -> None:
+        """Its slot goes back; its snapshots stay (a later request may resume from them)."""
         if seq.state_slot >= 0:
             self.state_slots.free(seq.state_slot)
             seq.state_slot = -1
@@ -387,6 +460,8 @@ class Scheduler:
             reason = self._finish_reason(seq, token_id)
             if reason is not None:
                 self.finish(seq, reason)
+        if batch.state_saves:
+            self._register_saves(batch)
         return out
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:

@@ -95,6 +95,8 @@ class Sequence:
         self.block_hashes: list[bytes] = []
         self.num_cached_blocks = 0
         self.state_slot = -1  # hybrid models: its recurrent state slot while running
+        # hybrid prefix caching: (snapshot, block hash) of its latest decoding snapshot
+        self.decode_snapshot: tuple[int, bytes] | None = None
         self.images: list[ImageSpan] = images or []
         self.has_images = bool(self.images)
         # mRoPE positions of the prompt ([3, num_prompt_tokens]) and the offset for later

@@ -10,7 +10,7 @@ rows do not travel here: they are tensors on the device, broadcast by torch.dist
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -19,9 +19,11 @@ from engine_proc.context import Context, reset_context, set_context
 
 # header fields, in order
 HEADER_FIELDS = ("op", "num_tokens", "num_seqs", "table_width", "num_samples", "all_decode",
-                 "num_decodes", "num_pieces", "image_width", "has_state_slots")
+                 "num_decodes", "num_pieces", "image_width", "has_state_slots",
+                 "num_state_restores", "num_state_saves")
 HEADER_BYTES = 8 * len(HEADER_FIELDS)
 OP_STEP, OP_EXIT = 1, 2
+NO_PAIRS = np.zeros((0, 2), dtype=np.int64)
 
 # (first row in the flat batch, rows) of each image piece, and the pieces' rows stacked
 ImagePieces = list[tuple[int, torch.Tensor]]
@@ -41,6 +43,9 @@ class StepInputs:
     image_rows: np.ndarray  # int64 [P, 2]: (first row, number of rows) of each image piece
     image_width: int = 0  # columns of the image rows (hidden, or hidden * (1 + k) DeepStack)
     state_slots: np.ndarray | None = None  # int64 [S]: hybrid models' state slot per sequence
+    # hybrid prefix caching: (from, to) state slot copies before and after the forward
+    state_restores: np.ndarray = field(default_factory=lambda: NO_PAIRS)  # int64 [R, 2]
+    state_saves: np.ndarray = field(default_factory=lambda: NO_PAIRS)  # int64 [W, 2]
 
     def context(self, to_device: Callable[[np.ndarray], torch.Tensor]) -> Context:
         q_lens = np.diff(self.query_start_loc)
@@ -70,26 +75,28 @@ class StepInputs:
         has_slots = self.state_slots is not None
         header = np.array([OP_STEP, len(self.input_ids), num_seqs, width, len(self.sample_rows),
                            int(self.all_decode), self.num_decodes, len(self.image_rows),
-                           self.image_width, int(has_slots)], dtype=np.int64)
+                           self.image_width, int(has_slots), len(self.state_restores),
+                           len(self.state_saves)], dtype=np.int64)
         slots = self.state_slots if has_slots else np.zeros(num_seqs, dtype=np.int64)
         payload = np.concatenate([
             self.input_ids, self.positions.reshape(-1), self.query_start_loc, self.seq_lens,
             self.slot_mapping, self.block_tables.reshape(-1), self.sample_rows,
-            self.image_rows.reshape(-1), slots], dtype=np.int64)
+            self.image_rows.reshape(-1), slots, self.state_restores.reshape(-1),
+            self.state_saves.reshape(-1)], dtype=np.int64)
         return [header.data, payload.data]
 
     @staticmethod
     def payload_bytes(header: np.ndarray) -> int:
-        _, t, s, b, n, _, _, p, _, _ = header.tolist()
-        return 8 * (t + 3 * t + (s + 1) + s + t + s * b + n + 2 * p + s)
+        _, t, s, b, n, _, _, p, _, _, r, w = header.tolist()
+        return 8 * (t + 3 * t + (s + 1) + s + t + s * b + n + 2 * p + s + 2 * r + 2 * w)
 
     @classmethod
     def decode(cls, header: np.ndarray, payload: bytes | bytearray) -> StepInputs:
-        _, t, s, b, n, all_decode, num_decodes, p, width, has_slots = header.tolist()
+        _, t, s, b, n, all_decode, num_decodes, p, width, has_slots, r, w = header.tolist()
         flat = np.frombuffer(payload, dtype=np.int64)
-        sizes = [t, 3 * t, s + 1, s, t, s * b, n, 2 * p, s]
-        ids, pos, qsl, seq_lens, slots, tables, samples, images, state_slots = np.split(
-            flat, np.cumsum(sizes)[:-1])
+        sizes = [t, 3 * t, s + 1, s, t, s * b, n, 2 * p, s, 2 * r, 2 * w]
+        (ids, pos, qsl, seq_lens, slots, tables, samples, images, state_slots, restores,
+         saves) = np.split(flat, np.cumsum(sizes)[:-1])
         return cls(
             input_ids=ids, positions=pos.reshape(3, t),
             query_start_loc=qsl.astype(np.int32), seq_lens=seq_lens.astype(np.int32),
@@ -97,6 +104,7 @@ class StepInputs:
             sample_rows=samples, all_decode=bool(all_decode), num_decodes=num_decodes,
             image_rows=images.reshape(p, 2), image_width=width,
             state_slots=state_slots if has_slots else None,
+            state_restores=restores.reshape(r, 2), state_saves=saves.reshape(w, 2),
         )
 
 
@@ -114,16 +122,23 @@ def split_image_rows(inputs: StepInputs, values: torch.Tensor) -> ImagePieces:
 
 @torch.inference_mode()
 def forward_step(model: torch.nn.Module, inputs: StepInputs, pieces: ImagePieces,
-            to_device: Callable[[np.ndarray], torch.Tensor]) -> torch.Tensor | None:
+                 to_device: Callable[[np.ndarray], torch.Tensor],
+                 state_cache: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor | None:
     """The decoder's forward over one step, on every rank alike: token embeddings with
     the image pieces' rows written over their placeholders, the layers, and the logits of
     the sampled rows ([N, vocab]; None on tensor-parallel ranks other than 0, or when no
-    row is sampled). The pieces are the caller's; nothing here keeps them (R3)."""
+    row is sampled). The pieces are the caller's; nothing here keeps them (R3).
+    `state_cache`: a hybrid model's state tensors, whose snapshots are restored before the
+    forward and saved after it (engine_proc/state_snapshots.py)."""
     context = inputs.context(to_device)
     set_context(context)
     try:
+        if len(inputs.state_restores):
+            copy_state_slots(state_cache, inputs.state_restores, to_device)
         inputs_embeds, deepstack = _embed(model, to_device(inputs.input_ids), pieces)
         hidden = model(inputs_embeds, to_device(inputs.positions), deepstack)
+        if len(inputs.state_saves):
+            copy_state_slots(state_cache, inputs.state_saves, to_device)
     finally:
         reset_context()
     del inputs_embeds, deepstack
@@ -132,6 +147,14 @@ def forward_step(model: torch.nn.Module, inputs: StepInputs, pieces: ImagePieces
     if len(inputs.sample_rows) < hidden.shape[0]:
         hidden = hidden[to_device(inputs.sample_rows)]  # the last token of each finished chunk
     return model.compute_logits(hidden)
+
+
+def copy_state_slots(state_cache: tuple[torch.Tensor, ...], pairs: np.ndarray,
+                     to_device: Callable[[np.ndarray], torch.Tensor]) -> None:
+    """Copy each pair's first slot over its second, in every state tensor (layers first)."""
+    src, dst = to_device(np.ascontiguousarray(pairs[:, 0])), to_device(np.ascontiguousarray(pairs[:, 1]))
+    for tensor in state_cache:
+        tensor.index_copy_(1, dst, tensor.index_select(1, src))
 
 
 def _embed(model: torch.nn.Module, input_ids: torch.Tensor,

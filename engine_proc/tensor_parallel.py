@@ -127,7 +127,8 @@ class TensorParallelWorkers:
     # ---- steps
 
     def forward(self, model: torch.nn.Module, inputs: StepInputs, pieces: ImagePieces,
-                to_device: Callable[[np.ndarray], torch.Tensor]) -> torch.Tensor | None:
+                to_device: Callable[[np.ndarray], torch.Tensor],
+                state_cache=None) -> torch.Tensor | None:
         """One step on every rank; the logits on this rank (see step_inputs.forward_step)."""
         if self.failure is not None:
             raise TensorParallelBroken(self.failure)
@@ -140,7 +141,7 @@ class TensorParallelWorkers:
                 values = torch.cat([rows for _, rows in pieces]).to(model.dtype)
                 broadcast_from_first(values, tp_shard())
                 del values
-            return forward_step(model, inputs, pieces, to_device)
+            return forward_step(model, inputs, pieces, to_device, state_cache)
         except Exception as exc:
             # after the workers took the inputs, a failure leaves the ranks out of step
             raise self._broken(f"a step failed part-way: {type(exc).__name__}: {exc}") from None

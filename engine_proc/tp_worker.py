@@ -73,7 +73,7 @@ def run_step(runner, inputs, values) -> None:
 
     pieces = [] if values is None else split_image_rows(inputs, values)
     del values
-    forward_step(runner.model, inputs, pieces, runner._to_device)
+    forward_step(runner.model, inputs, pieces, runner._to_device, runner.state_cache)
 
 
 def serve(runner, fd: int) -> None:

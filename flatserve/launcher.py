@@ -48,6 +48,8 @@ ENGINE_FLAGS = (
     "seed",
     "tensor_parallel_size",
     "mamba_ssm_cache_dtype",
+    "mamba_cache_mode",
+    "state_snapshot_bytes",
 )
 DEFAULT_MAX_MODEL_LEN = 8192
 

@@ -79,6 +79,15 @@ class EngineConfig:
         "auto", "hybrid models (Qwen3.5): dtype of each sequence's recurrent state (auto: the "
         "checkpoint's mamba_ssm_dtype, float32 as published; vLLM's flag)",
         choices=("auto", "float32", "bfloat16", "float16"))
+    mamba_cache_mode: str = opt(
+        "align", "hybrid models' prefix caching (vLLM's flag): align keeps recurrent state "
+        "snapshots at KV block boundaries (the prompt's last one and decoding's latest), so "
+        "a request that repeats a cached prefix resumes there; none turns it off",
+        choices=("align", "none"))
+    state_snapshot_bytes: int = opt(
+        -1, "hybrid models with prefix caching: bytes of recurrent state snapshots kept "
+        "(least recently used go first; -1: one per --max-num-seqs, the slots' bytes again; "
+        "counted in --kv-cache-memory-bytes when it is given)")
     encoder_cache_bytes: int = opt(
         -1, "bytes of vision embeddings kept for images seen again (skips the vision tower "
         "and, with the API's image keys, the pixels' trip); 0 turns it off; -1: an eighth of "
@@ -98,6 +107,9 @@ class EngineConfig:
 
         if not 0 <= self.decode_share <= 1:
             raise ValueError(f"decode_share must be in [0, 1], got {self.decode_share}")
+        if self.state_snapshot_bytes < -1:
+            raise ValueError("state_snapshot_bytes must be -1 (auto), 0 (off) or a byte count, "
+                             f"got {self.state_snapshot_bytes}")
         if self.encoder_cache_bytes < -1:
             raise ValueError("encoder_cache_bytes must be -1 (auto), 0 (off) or a byte count, "
                              f"got {self.encoder_cache_bytes}")

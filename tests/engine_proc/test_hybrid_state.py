@@ -110,13 +110,14 @@ def test_kv_blocks_are_sized_from_the_full_attention_layers(path, config):
     conv = text.linear_conv_dim * (text.linear_conv_kernel_dim - 1) * 4
     ssm = text.linear_num_value_heads * text.linear_key_head_dim * text.linear_value_head_dim * 4
     assert runner.state_shape.slot_bytes == 6 * (conv + ssm)
-    # the slots come out of the budget first, the KV blocks get the rest
-    assert runner.num_state_slots == 4
-    expected_blocks = min((4 << 20) - 4 * runner.state_shape.slot_bytes, 4 * 512 * per_token * 2
-                          ) // runner.kv_block_bytes
-    assert runner.num_kv_blocks == expected_blocks
+    # the slots and the prefix cache's snapshots (one per slot by default) come out of the
+    # budget first, the KV blocks get the rest
+    assert runner.num_state_slots == 4 and runner.num_state_snapshots == 4
+    slots = 8 * runner.state_shape.slot_bytes
+    assert runner.num_kv_blocks == ((4 << 20) - slots) // runner.kv_block_bytes
     stats = engine.stats()
-    assert stats.state_cache_bytes == 4 * runner.state_shape.slot_bytes
+    assert stats.state_cache_bytes == slots
+    assert runner.state_cache[1].shape[1] == 8  # slots, then snapshots
     assert stats.kv_cache_bytes == runner.num_kv_blocks * runner.kv_block_bytes
 
 
@@ -130,6 +131,8 @@ def test_a_budget_that_cannot_hold_every_slot_clamps_max_num_seqs(path, caplog):
     assert engine.model_runner.num_state_slots == 3
     assert engine.scheduler.max_num_seqs == 3
     assert "max_num_seqs lowered from 8 to 3" in caplog.text
+    assert engine.model_runner.num_state_snapshots == 0  # no room left: caching goes off
+    assert not engine.scheduler.block_manager.enable_prefix_caching
     with pytest.raises(ValueError, match="cannot hold one sequence's recurrent state"):
         LLMEngine(str(path), kv_cache_memory_bytes=full + slot // 2, max_num_seqs=8,
                   max_model_len=256, device="cpu")
