@@ -53,7 +53,7 @@ def run_engine(args: argparse.Namespace) -> int:
         print(f"flatserve engine: {e}", file=sys.stderr)
         return 2
     if not config.model:
-        from shared.tiny_checkpoint import ensure_tiny_checkpoint
+        from shared.random_checkpoints import ensure_tiny_checkpoint
 
         config = replace(config, model=str(ensure_tiny_checkpoint()))
     if config.tensor_parallel_size > 1:
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                           formatter_class=argparse.RawDescriptionHelpFormatter)
     keys.add_argument("--dir", required=True, help="the key folder (created, mode 0700)")
     keys.add_argument("--force", action="store_true", help="replace keys already there")
-    from shared.tiny_checkpoint import PRESETS
+    from shared.random_checkpoints import PRESETS
 
     make = sub.add_parser("make-model", help="write a random-weight checkpoint and print its folder")
     make.add_argument("--preset", choices=list(PRESETS), default="tiny",
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_engine(args)
     if args.command == "keys":
         return write_keys(args)
-    from shared.tiny_checkpoint import ensure_checkpoint, write_checkpoint
+    from shared.random_checkpoints import ensure_checkpoint, write_checkpoint
 
     preset = PRESETS[args.preset]
     print(write_checkpoint(args.out, preset) if args.out else ensure_checkpoint(preset))

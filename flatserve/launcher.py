@@ -144,7 +144,7 @@ def _resolve_model(args: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
     names = tuple(args.served_model_name or ())
     if model:
         return model, names or (model,)
-    from shared.tiny_checkpoint import ensure_tiny_checkpoint
+    from shared.random_checkpoints import ensure_tiny_checkpoint
 
     return str(ensure_tiny_checkpoint()), names or ("flatserve-tiny-qwen2.5-vl",)
 

@@ -425,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from shared.model_config import load_model_config
-    from shared.tiny_checkpoint import ensure_tiny_checkpoint
+    from shared.random_checkpoints import ensure_tiny_checkpoint
 
     model = str(args.model or ensure_tiny_checkpoint())
     config = load_model_config(model)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.tiny_checkpoint import ensure_tiny_checkpoint
+from shared.random_checkpoints import ensure_tiny_checkpoint
 
 
 def pytest_collection_modifyitems(config, items):

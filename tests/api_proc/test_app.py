@@ -16,7 +16,7 @@ from api_proc.protocol import (
     CompletionResponse,
     ErrorResponse,
 )
-from shared.tiny_checkpoint import CHECKPOINT_VERSION
+from shared.random_checkpoints import CHECKPOINT_VERSION
 from tests.api_proc.conftest import data_url, encode_image
 
 MODEL = f"tiny-qwen2.5-vl-{CHECKPOINT_VERSION}"  # the tiny checkpoint folder's name

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine_proc.state_cache import StateShape
 from shared.model_config import load_model_config
-from shared.tiny_checkpoint import ensure_checkpoint
+from shared.random_checkpoints import ensure_checkpoint
 from tests.e2e.server_process import ServerProcess
 from tests.e2e.test_openai_parity import MAX_TOKENS, _data_url, _image, _offline_text
 from tests.engine_proc.families import SERVED_FAMILIES

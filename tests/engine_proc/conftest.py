@@ -10,7 +10,7 @@ from engine_proc.context import Context, reset_context, set_context
 from engine_proc.image_processor import pixels_to_patches
 from engine_proc.layers.attention import Attention
 from shared.model_config import ModelConfig, load_model_config
-from shared.tiny_checkpoint import ensure_checkpoint
+from shared.random_checkpoints import ensure_checkpoint
 from tests.engine_proc.families import MODEL_CASE_IDS, MODEL_CASES
 
 # ---- model tests (test_model_*.py), one run per family case (families.py) -----------------

@@ -12,8 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from shared.model_config import TextConfig, VisionConfig
-from shared.qwen3_5_checkpoints import F, L
-from shared.tiny_checkpoint import (
+from shared.random_checkpoints import (
     TINY,
     TINY_QWEN2_VL,
     TINY_QWEN3_5,
@@ -22,6 +21,7 @@ from shared.tiny_checkpoint import (
     TINY_QWEN3_VL_MOE,
     Preset,
 )
+from shared.random_checkpoints.qwen3_5 import F, L
 from tests.engine_proc.qwen3_vl_checkpoints import SHAPES as QWEN3_VL_SHAPES
 
 # Qwen2-VL in another shape: other head counts (and GQA ratio), depths, patch and merge

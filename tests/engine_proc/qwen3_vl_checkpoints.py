@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from shared.tiny_checkpoint import TINY_QWEN3_VL, TINY_QWEN3_VL_MOE, Preset, write_checkpoint
+from shared.random_checkpoints import TINY_QWEN3_VL, TINY_QWEN3_VL_MOE, Preset, write_checkpoint
 
 SHAPES = {
     "dense": TINY_QWEN3_VL,

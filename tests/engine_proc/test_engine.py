@@ -15,8 +15,8 @@ import torch
 from engine_proc.llm_engine import LLMEngine, RequestRejected
 from shared.messages import AddRequest, ImageInput
 from shared.model_config import load_model_config
+from shared.random_checkpoints import ensure_checkpoint
 from shared.sampling_params import SamplingParams
-from shared.tiny_checkpoint import ensure_checkpoint
 from tests.engine_proc.conftest import hf_class
 from tests.engine_proc.engine_factory import make_engine
 from tests.engine_proc.families import CASE_IDS, CASES

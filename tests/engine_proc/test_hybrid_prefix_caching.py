@@ -12,8 +12,8 @@ import pytest
 from engine_proc.llm_engine import LLMEngine
 from shared.messages import AddRequest
 from shared.model_config import load_model_config
+from shared.random_checkpoints import TINY_QWEN3_5, TINY_QWEN3_5_MOE, ensure_checkpoint
 from shared.sampling_params import SamplingParams
-from shared.tiny_checkpoint import TINY_QWEN3_5, TINY_QWEN3_5_MOE, ensure_checkpoint
 from tests.engine_proc.engine_factory import make_engine
 from tests.engine_proc.test_engine import Reference, assert_all_released, make_prompt
 

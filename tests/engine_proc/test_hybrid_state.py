@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from engine_proc.llm_engine import LLMEngine
 from shared.model_config import load_model_config
-from shared.tiny_checkpoint import TINY_QWEN3_5, TINY_QWEN3_5_MOE, ensure_checkpoint
+from shared.random_checkpoints import TINY_QWEN3_5, TINY_QWEN3_5_MOE, ensure_checkpoint
 from tests.engine_proc.engine_factory import make_engine
 from tests.engine_proc.test_engine import Reference, assert_all_released, make_request
 

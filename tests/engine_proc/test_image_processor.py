@@ -13,7 +13,7 @@ from transformers import Qwen2VLImageProcessorPil
 from engine_proc.image_processor import pixels_to_patch_chunks, pixels_to_patches
 from shared.image_resize import resize_image, smart_resize
 from shared.model_config import ImageProcessorConfig, load_model_config
-from shared.tiny_checkpoint import ensure_checkpoint
+from shared.random_checkpoints import ensure_checkpoint
 from tests.engine_proc.families import CASE_IDS, CASES
 
 CFG = ImageProcessorConfig(

@@ -18,7 +18,7 @@ from engine_proc.layers.attention import Attention
 from engine_proc.models.qwen3_vl import Qwen3VLForConditionalGeneration
 from shared.image_resize import resize_image
 from shared.model_config import load_model_config
-from shared.tiny_checkpoint import TINY_QWEN3_VL, TINY_QWEN3_VL_MOE, write_checkpoint
+from shared.random_checkpoints import TINY_QWEN3_VL, TINY_QWEN3_VL_MOE, write_checkpoint
 from tests.engine_proc.conftest import PagedKV, VLHarness
 from tests.engine_proc.qwen3_vl_checkpoints import SHAPES, hf_class, perturbed_checkpoint
 
@@ -307,7 +307,7 @@ def test_published_expert_layout_loads_the_same(q3, tmp_path):
 def test_presets_load_in_flatserve_and_transformers(preset, tmp_path):
     import transformers
 
-    from shared.tiny_checkpoint import PRESETS
+    from shared.random_checkpoints import PRESETS
 
     assert PRESETS[preset.name] is preset
     folder = write_checkpoint(tmp_path / "m", preset)

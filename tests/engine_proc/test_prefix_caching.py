@@ -10,8 +10,8 @@ import pytest
 from engine_proc.llm_engine import LLMEngine
 from shared.messages import AddRequest, ImageInput
 from shared.model_config import load_model_config
+from shared.random_checkpoints import TINY, TINY_QWEN3_VL, ensure_checkpoint
 from shared.sampling_params import SamplingParams
-from shared.tiny_checkpoint import TINY, TINY_QWEN3_VL, ensure_checkpoint
 from tests.engine_proc.engine_factory import make_engine
 from tests.engine_proc.test_engine import make_prompt
 

@@ -25,7 +25,7 @@ from engine_proc.step_inputs import StepInputs
 from engine_proc.tensor_parallel import TensorParallelBroken
 from engine_proc.tp_worker import run_step
 from shared.model_config import load_model_config, tensor_parallel_problem
-from shared.tiny_checkpoint import (
+from shared.random_checkpoints import (
     TINY_QWEN3_5,
     TINY_QWEN3_5_MOE,
     TINY_QWEN3_VL,

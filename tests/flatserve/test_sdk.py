@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from flatserve import sdk
-from shared.tiny_checkpoint import CHECKPOINT_VERSION
+from shared.random_checkpoints import CHECKPOINT_VERSION
 from tests.api_proc.conftest import encode_image
 
 MODEL = f"tiny-qwen2.5-vl-{CHECKPOINT_VERSION}"  # the tiny checkpoint folder's name

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from engine_proc.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from shared.model_config import load_model_config
-from shared.tiny_checkpoint import (
+from shared.random_checkpoints import (
     PRESETS,
     QWEN2_5_VL_3B,
     QWEN2_5_VL_7B,
@@ -50,7 +50,8 @@ def _shrunk(preset):
 
 
 def test_presets_have_the_published_shapes():
-    assert set(PRESETS) == {"tiny", "tiny-qwen2-vl", "tiny-qwen3-vl", "tiny-qwen3-vl-moe", "3b", "7b"}
+    assert set(PRESETS) == {"tiny", "tiny-qwen2-vl", "tiny-qwen3-vl", "tiny-qwen3-vl-moe", "3b", "7b",
+                            "tiny-qwen3.5", "tiny-qwen3.5-moe", "qwen3.5-0.8b"}
     t3, v3 = QWEN2_5_VL_3B.text, QWEN2_5_VL_3B.vision
     assert (t3.hidden_size, t3.intermediate_size, t3.num_hidden_layers) == (2048, 11008, 36)
     assert (t3.num_attention_heads, t3.num_key_value_heads, t3.head_dim) == (16, 2, 128)
@@ -183,3 +184,25 @@ def test_tiny_qwen2_vl_preset_reads_back_and_loads_in_both():
 def test_weight_specs_are_qwen2_5_vl_only():
     with pytest.raises(ValueError, match="Qwen2.5-VL only"):
         weight_specs(TINY_QWEN2_VL)
+
+
+def test_the_qwen3_5_preset_has_the_published_0_8b_shapes():
+    import torch
+    import transformers
+
+    from shared.random_checkpoints.hf_configs import transformers_config
+    from shared.random_checkpoints.writer import SPECIAL_TOKENS
+
+    preset = PRESETS["qwen3.5-0.8b"]
+    t, v = preset.text, preset.vision
+    assert (t.hidden_size, t.intermediate_size, t.num_hidden_layers) == (1024, 3584, 24)
+    assert (t.num_linear_layers, t.num_attention_layers, t.layer_types[:4]) == (
+        18, 6, ("linear_attention",) * 3 + ("full_attention",))
+    assert (t.num_attention_heads, t.num_key_value_heads, t.head_dim, t.rotary_dim) == (8, 2, 256, 64)
+    assert (t.linear_num_key_heads, t.linear_num_value_heads, t.linear_key_head_dim) == (16, 16, 128)
+    assert (t.vocab_size, t.tie_word_embeddings, t.rope_theta) == (248320, True, 1e7)
+    assert (v.depth, v.hidden_size, v.out_hidden_size, v.deepstack_visual_indexes) == (12, 768, 1024, ())
+    config = transformers_config(preset, {tok: 4000 + i for i, tok in enumerate(SPECIAL_TOKENS)})
+    with torch.device("meta"):
+        model = transformers.Qwen3_5ForConditionalGeneration(config)
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(0.87e9, rel=0.02)

@@ -6,7 +6,7 @@ import json
 from transformers import AutoTokenizer
 
 from shared.model_config import load_model_config
-from shared.tiny_checkpoint import write_tiny_checkpoint
+from shared.random_checkpoints import write_tiny_checkpoint
 
 
 def _digests(folder):

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from flatserve.soak import SoakConfig, run_soak
-from shared.tiny_checkpoint import TINY, ensure_checkpoint
+from shared.random_checkpoints import TINY, ensure_checkpoint
 from tests.engine_proc.families import SOAKED_FAMILIES
 
 # A short run (about 30 s each on an idle machine): the slope limit is far looser than the

@@ -11,7 +11,7 @@ partial rotary (a quarter of head_dim), a 4-block vision tower without DeepStack
 from __future__ import annotations
 
 from shared.model_config import FULL_ATTENTION, LINEAR_ATTENTION, TextConfig, VisionConfig
-from shared.preset import Preset
+from shared.random_checkpoints.preset import Preset
 
 ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
 MOE_ARCHITECTURE = "Qwen3_5MoeForConditionalGeneration"

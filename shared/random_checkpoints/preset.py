@@ -1,4 +1,4 @@
-"""The description of one random-weight test checkpoint (shared/tiny_checkpoint.py writes
+"""The description of one random-weight test checkpoint (random_checkpoints/writer.py writes
 it): the shapes `load_model_config` reads back, the dtype on disk, how it is made."""
 
 from __future__ import annotations
