@@ -5,7 +5,7 @@ transformers, and real-shaped ones for benchmarks.
 No hub download is possible where flatserve is developed and tested, so models are made
 here. A `Preset` (preset.py) is the data of one: the shapes `load_model_config` reads back,
 the weight dtype, the folder name. Every preset shares the byte-level BPE tokenizer trained
-on text shipped in shared/data and the Qwen2-VL chat template; the preprocessor config is
+on text shipped in shared/data and the Qwen2-VL chat template (Qwen3.5: a template of its form, thinking and XML tool calls); the preprocessor config is
 the family's (writer.py).
 
 - `tiny`, the default model: about 5 M parameters, window attention and full-attention

@@ -18,6 +18,10 @@ from shared.random_checkpoints.presets import TINY
 from shared.random_checkpoints.streamed import MAX_SHARD_BYTES, write_streamed_weights
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
+# Qwen3.5's template form (thinking, Qwen3-Coder tool calls); the other families share
+# Qwen2-VL's
+_CHAT_TEMPLATES = {"Qwen3_5ForConditionalGeneration": "qwen3_5_chat_template.jinja",
+                   "Qwen3_5MoeForConditionalGeneration": "qwen3_5_chat_template.jinja"}
 
 SPECIAL_TOKENS = (
     "<|endoftext|>",
@@ -120,7 +124,8 @@ def write_checkpoint(
         )
     special = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
     tokenizer.save(str(folder / "tokenizer.json"))
-    _write_tokenizer_config(folder, preset.text.max_position_embeddings)
+    _write_tokenizer_config(folder, preset.text.max_position_embeddings,
+                            _CHAT_TEMPLATES.get(preset.architecture, "qwen2_vl_chat_template.jinja"))
     config = transformers_config(preset, special)
     if preset.materialize:
         _save_transformers_model(folder, config, preset)
@@ -175,8 +180,8 @@ def _train_tokenizer():
     return tokenizer
 
 
-def _write_tokenizer_config(folder: Path, model_max_length: int) -> None:
-    template = (DATA_DIR / "qwen2_vl_chat_template.jinja").read_text(encoding="utf-8")
+def _write_tokenizer_config(folder: Path, model_max_length: int, template_name: str) -> None:
+    template = (DATA_DIR / template_name).read_text(encoding="utf-8")
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": model_max_length,
