@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = LLMEngine(args.model, max_num_seqs=max(sizes), max_model_len=args.prompt_len + 512,
                        device="cpu", dtype=args.dtype, decode_share=0.0,
                        enable_prefix_caching=False, encoder_cache_bytes=0)
+    measure(engine, config, max(sizes), args)  # warm-up: kernels and allocator at full size
     rows = [measure(engine, config, n, args) for n in sizes]
     header = list(rows[0])
     print(f"decode steps, {Path(args.model).name}, {args.dtype}, "

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 
 from engine_proc.context import Context
 from engine_proc.distributed import REPLICATED, Shard
@@ -41,6 +42,10 @@ from engine_proc.layers.rms_norm import GatedRMSNorm
 from shared.model_config import TextConfig
 
 RECURRENT_MAX_TOKENS = 8  # prefill chunks this short run token by token
+# Longer chunks of one step run the chunked rule together, zero-padded to the longest of
+# their group, while the padding stays under this share of the group's tokens: one call
+# instead of one per sequence (tiny model, 32 chunks of 60 tokens: 22 against 49 ms).
+MAX_PADDING_SHARE = 0.5
 
 
 @dataclass
@@ -210,14 +215,62 @@ class GatedDeltaNet(nn.Module):
             out[:n] = o[:, 0]
             self.ssm_state.index_copy_(0, meta.decode_slots, states.to(self.ssm_state.dtype))
         keep = self._keeps_state
-        for span in meta.spans:
+        short = [span for span in meta.spans if span.end - span.start <= RECURRENT_MAX_TOKENS]
+        for span in short:
             s, e = span.start, span.end
             state = self.ssm_state[span.slot][None] if keep and span.has_initial_state else None
-            rule = (recurrent_gated_delta_rule if e - s <= RECURRENT_MAX_TOKENS
-                    else chunk_gated_delta_rule)
-            o, state = rule(q[None, s:e], k[None, s:e], v[None, s:e], g[None, s:e],
-                            beta[None, s:e], initial_state=state)
+            o, state = recurrent_gated_delta_rule(q[None, s:e], k[None, s:e], v[None, s:e],
+                                                  g[None, s:e], beta[None, s:e], state)
             out[s:e] = o[0]
             if keep:
                 self.ssm_state[span.slot] = state[0]
+        long = [span for span in meta.spans if span.end - span.start > RECURRENT_MAX_TOKENS]
+        for group in _padding_groups(long):
+            self._chunk_group(group, q, k, v, g, beta, out)
         return out
+
+    def _chunk_group(self, group: list[_Span], q, k, v, g, beta, out: torch.Tensor) -> None:
+        """The chunked rule over several prefill chunks at once, each zero-padded at its end
+        to the longest: zero k, beta and g leave a state as it is, so each sequence's final
+        state is its last real token's."""
+        keep = self._keeps_state
+        if len(group) == 1:
+            (span,) = group
+            s, e = span.start, span.end
+            state = self.ssm_state[span.slot][None] if keep and span.has_initial_state else None
+            o, state = chunk_gated_delta_rule(q[None, s:e], k[None, s:e], v[None, s:e],
+                                              g[None, s:e], beta[None, s:e], state)
+            out[s:e] = o[0]
+            if keep:
+                self.ssm_state[span.slot] = state[0]
+            return
+        padded = [pad_sequence([x[span.start : span.end] for span in group], batch_first=True)
+                  for x in (q, k, v, g, beta)]
+        state = None
+        if keep and any(span.has_initial_state for span in group):
+            state = torch.stack([self.ssm_state[span.slot] if span.has_initial_state
+                                 else self.ssm_state.new_zeros(self.ssm_state.shape[1:])
+                                 for span in group])
+        o, state = chunk_gated_delta_rule(*padded, initial_state=state)
+        for i, span in enumerate(group):
+            out[span.start : span.end] = o[i, : span.end - span.start]
+            if keep:
+                self.ssm_state[span.slot] = state[i]
+
+
+def _padding_groups(spans: list[_Span]) -> list[list[_Span]]:
+    """Spans grouped longest first, a group closed when padding its members to its longest
+    would exceed MAX_PADDING_SHARE of its tokens."""
+    groups: list[list[_Span]] = []
+    tokens = 0
+    for span in sorted(spans, key=lambda sp: sp.start - sp.end):
+        length = span.end - span.start
+        if groups:
+            longest = groups[-1][0].end - groups[-1][0].start
+            if longest * (len(groups[-1]) + 1) <= (1 + MAX_PADDING_SHARE) * (tokens + length):
+                groups[-1].append(span)
+                tokens += length
+                continue
+        groups.append([span])
+        tokens = length
+    return groups

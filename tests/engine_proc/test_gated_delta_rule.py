@@ -97,3 +97,17 @@ def test_conv_step_matches_transformers_update():
     expected = hf.causal_conv1d_update(x, hf_state, weight, None, "silu")[..., 0]
     torch.testing.assert_close(ours, expected, **TOL)
     torch.testing.assert_close(new, hf_state[..., 1:], atol=0, rtol=0)
+
+
+def test_zero_padding_at_the_end_keeps_outputs_and_final_state():
+    """Chunks of one step run together, zero-padded to the longest (gated_delta_net.py)."""
+    short, long = _inputs(23, seed=5), _inputs(90, seed=6)
+    padded = [torch.cat([torch.nn.functional.pad(a, (0, 0) * (a.dim() - 2) + (0, 90 - 23)), b])
+              for a, b in zip(short, long, strict=True)]
+    initial = torch.randn(2, HV, DK, DV)
+    out, state = chunk_gated_delta_rule(*padded, initial_state=initial)
+    for i, inputs in enumerate((short, long)):
+        alone, alone_state = chunk_gated_delta_rule(*inputs, initial_state=initial[i : i + 1])
+        length = inputs[0].shape[1]
+        torch.testing.assert_close(out[i : i + 1, :length], alone, **TOL)
+        torch.testing.assert_close(state[i : i + 1], alone_state, **TOL)
