@@ -94,13 +94,13 @@ def plan_state_slots(max_num_seqs: int, slot_bytes: int, budget_bytes: int,
 
 def allocate_state_cache(model: nn.Module, shape: StateShape, num_slots: int,
                          device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zeroed conv [layers, slots, channels, K-1] and recurrent [layers, slots, Hv, dk, dv]
-    tensors, each linear layer given its views."""
+    """Zeroed conv [layers, slots, K-1, channels] (time-major: a step appends a row) and
+    recurrent [layers, slots, Hv, dk, dv] tensors, each linear layer given its views."""
     layers = [m for m in model.modules() if hasattr(m, "conv_state") and hasattr(m, "ssm_state")]
     if len(layers) != shape.num_layers:
         raise RuntimeError(f"found {len(layers)} linear-attention layers, expected "
                            f"{shape.num_layers}")
-    conv = torch.zeros((shape.num_layers, num_slots, shape.conv_channels, shape.conv_width),
+    conv = torch.zeros((shape.num_layers, num_slots, shape.conv_width, shape.conv_channels),
                        dtype=shape.conv_dtype, device=device)
     ssm = torch.zeros((shape.num_layers, num_slots, shape.num_heads, shape.key_dim,
                        shape.value_dim), dtype=shape.ssm_dtype, device=device)

@@ -10,7 +10,7 @@ on its own, from its slot's state when earlier chunks of its sequence ran
 its final state in the slot. So a chunk may end anywhere, and a slot's earlier owner is
 never read. Short chunks use the token-by-token rule (the chunked one pads to 64 tokens).
 
-The model runner assigns `conv_state` [slots, channels, K-1] (model dtype) and
+The model runner assigns `conv_state` [slots, K-1, channels] (model dtype) and
 `ssm_state` [slots, Hv, dk, dv] (fp32 by default) to every layer, as it assigns the KV
 cache to attention layers; without them (no state allocated) every sequence starts from
 zeros and nothing is kept.

@@ -13,7 +13,7 @@ and give back the one it ends at, so a prompt can be cut anywhere. The op order 
 transformers' (`torch_chunk_gated_delta_rule`, `torch_recurrent_gated_delta_rule`), so
 fp32 results agree with it to rounding; the code is this project's.
 
-The conv keeps the last K-1 inputs of each channel (`conv_state` [C, K-1]): a chunk's
+The conv keeps the last K-1 inputs of each channel (`conv_state` [K-1, C]): a chunk's
 outputs are the conv over those and its own inputs, and its last K-1 inputs (older state
 columns too, for a chunk shorter than that) become the new state.
 """
@@ -119,23 +119,29 @@ def recurrent_gated_delta_rule(
 def causal_conv(
     x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [L, C] (one sequence's new inputs), weight [C, K], state [C, K-1] or None (zeros)
-    -> (silu(conv) [L, C] in x's dtype, the new state [C, K-1])."""
-    channels, width = weight.shape
-    x = x.t().to(weight.dtype)
+    """x [L, C] (one sequence's new inputs), weight [C, K], state [K-1, C] or None (zeros)
+    -> (silu(conv) [L, C] in the weight's dtype, the new state [K-1, C]). The conv is K
+    shifted multiply-adds over time-major rows (oneDNN's depthwise conv1d took ~8 ms for
+    one decode step of Qwen3.5-0.8B's 6144 channels)."""
+    width = weight.shape[1]
+    length = x.shape[0]
+    x = x.to(weight.dtype)
     if state is None:
-        state = x.new_zeros(channels, width - 1)
-    full = torch.cat([state.to(weight.dtype), x], dim=1)
-    out = F.conv1d(full.unsqueeze(0), weight.unsqueeze(1), groups=channels)[0]
-    return F.silu(out).t(), full[:, full.shape[1] - (width - 1):]
+        state = x.new_zeros(width - 1, x.shape[1])
+    full = torch.cat([state.to(weight.dtype), x])
+    out = full[:length] * weight[:, 0]
+    for j in range(1, width):
+        out.addcmul_(full[j : j + length], weight[:, j])
+    return F.silu(out), full[length:]
 
 
 def causal_conv_step(
     x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One new input per sequence: x [N, C], states [N, C, K-1] -> (silu(conv) [N, C], the
-    new states [N, C, K-1])."""
-    channels = weight.shape[0]
-    full = torch.cat([states.to(weight.dtype), x.to(weight.dtype).unsqueeze(-1)], dim=-1)
-    out = F.conv1d(full, weight.unsqueeze(1), groups=channels)[..., 0]
-    return F.silu(out), full[..., 1:]
+    """One new input per sequence: x [N, C], states [N, K-1, C] -> (silu(conv) [N, C], the
+    new states [N, K-1, C])."""
+    full = torch.cat([states.to(weight.dtype), x.to(weight.dtype).unsqueeze(1)], dim=1)
+    out = full[:, 0] * weight[:, 0]
+    for j in range(1, weight.shape[1]):
+        out.addcmul_(full[:, j], weight[:, j])
+    return F.silu(out), full[:, 1:]

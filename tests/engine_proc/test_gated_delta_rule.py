@@ -84,7 +84,7 @@ def test_conv_in_pieces_matches_transformers(split):
     out2, state = causal_conv(x[0, :, split:-1].t(), weight, state)
     out3, state = causal_conv_step(x[0, :, -1:].t(), weight, state.unsqueeze(0))
     torch.testing.assert_close(torch.cat([out1, out2, out3]), expected, **TOL)
-    torch.testing.assert_close(state[0], x[0, :, -(width - 1):], atol=0, rtol=0)
+    torch.testing.assert_close(state[0], x[0, :, -(width - 1):].t(), atol=0, rtol=0)
 
 
 def test_conv_step_matches_transformers_update():
@@ -93,10 +93,10 @@ def test_conv_step_matches_transformers_update():
     weight = torch.randn(channels, width, generator=gen)
     hf_state = torch.randn(2, channels, width, generator=gen)  # transformers keeps K columns
     x = torch.randn(2, channels, 1, generator=gen)
-    ours, new = causal_conv_step(x[..., 0], weight, hf_state[..., 1:].clone())
+    ours, new = causal_conv_step(x[..., 0], weight, hf_state[..., 1:].transpose(1, 2).clone())
     expected = hf.causal_conv1d_update(x, hf_state, weight, None, "silu")[..., 0]
     torch.testing.assert_close(ours, expected, **TOL)
-    torch.testing.assert_close(new, hf_state[..., 1:], atol=0, rtol=0)
+    torch.testing.assert_close(new, hf_state[..., 1:].transpose(1, 2), atol=0, rtol=0)
 
 
 def test_zero_padding_at_the_end_keeps_outputs_and_final_state():
