@@ -323,14 +323,12 @@ class ModelRunner:
             with self._vision_threads():
                 self._encode_stage(batch.encoder_stage)
         if not batch.seqs:
+            if batch.state_restores:  # a hit admitted with its image still being encoded
+                self._forward(StepInputs.copies_only(_pairs(batch.state_restores)), [])
             return [], None
         inputs, sample_seqs = self.prepare(batch)
         pieces = self._image_rows(batch, inputs)  # vision work, on rank 0 only
-        if self.workers is not None:
-            logits = self.workers.forward(self.model, inputs, pieces, self._to_device,
-                                          self.state_cache)
-        else:
-            logits = forward_step(self.model, inputs, pieces, self._to_device, self.state_cache)
+        logits = self._forward(inputs, pieces)
         del pieces
         if logits is None:
             return [], None
@@ -346,6 +344,13 @@ class ModelRunner:
             k = sample_seqs[row].sampling.logprobs
             per_row[row] = [lp, ids[:k], values[:k]]
         return token_ids, per_row
+
+    def _forward(self, inputs: StepInputs, pieces: ImagePieces) -> torch.Tensor | None:
+        """The step's forward on every rank; the logits (rank 0)."""
+        if self.workers is not None:
+            return self.workers.forward(self.model, inputs, pieces, self._to_device,
+                                        self.state_cache)
+        return forward_step(self.model, inputs, pieces, self._to_device, self.state_cache)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, list[Sequence]]:
         """The step's inputs on the host (image rows not filled in yet) and the sequences

@@ -376,8 +376,7 @@ class Scheduler:
         block_size = self.block_manager.block_size
         for seq, snapshot, num_tokens in batch.state_saves:
             digest = seq.block_hashes[num_tokens // block_size - 1]
-            self.snapshots.register(snapshot, digest)
-            if num_tokens > seq.num_prompt_tokens:
+            if self.snapshots.register(snapshot, digest) and num_tokens > seq.num_prompt_tokens:
                 if seq.decode_snapshot is not None:
                     self.snapshots.release_if_holds(*seq.decode_snapshot)
                 seq.decode_snapshot = (snapshot, digest)

@@ -51,15 +51,16 @@ class StateSnapshots:
         del self.hash_of[slot]
         return slot
 
-    def register(self, slot: int, digest: bytes) -> None:
+    def register(self, slot: int, digest: bytes) -> bool:
         """`slot` now holds the state after the block of hash `digest`. If another
         snapshot holds that state already (the same prefix computed twice at once), it
-        stays and `slot` is freed."""
+        stays and `slot` is freed (False)."""
         if digest in self.by_hash:
             self.free_slots.append(slot)
-            return
+            return False
         self.by_hash[digest] = slot
         self.hash_of[slot] = digest
+        return True
 
     def release(self, slot: int) -> None:
         """Forget what `slot` holds and free it."""

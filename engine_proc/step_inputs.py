@@ -47,6 +47,18 @@ class StepInputs:
     state_restores: np.ndarray = field(default_factory=lambda: NO_PAIRS)  # int64 [R, 2]
     state_saves: np.ndarray = field(default_factory=lambda: NO_PAIRS)  # int64 [W, 2]
 
+    @classmethod
+    def copies_only(cls, restores: np.ndarray) -> StepInputs:
+        """A step of no tokens that only restores state snapshots (a prefix-cache hit
+        admitted while its image is still being encoded, so no chunk of it runs yet)."""
+        empty = np.zeros(0, dtype=np.int64)
+        return cls(input_ids=empty, positions=np.zeros((3, 0), dtype=np.int64),
+                   query_start_loc=np.zeros(1, dtype=np.int32),
+                   seq_lens=np.zeros(0, dtype=np.int32), slot_mapping=empty,
+                   block_tables=np.zeros((0, 0), dtype=np.int32), sample_rows=empty,
+                   all_decode=False, num_decodes=0, image_rows=NO_PAIRS,
+                   state_restores=restores)
+
     def context(self, to_device: Callable[[np.ndarray], torch.Tensor]) -> Context:
         q_lens = np.diff(self.query_start_loc)
         return Context(
@@ -130,6 +142,9 @@ def forward_step(model: torch.nn.Module, inputs: StepInputs, pieces: ImagePieces
     row is sampled). The pieces are the caller's; nothing here keeps them (R3).
     `state_cache`: a hybrid model's state tensors, whose snapshots are restored before the
     forward and saved after it (engine_proc/state_snapshots.py)."""
+    if not len(inputs.input_ids):  # StepInputs.copies_only
+        copy_state_slots(state_cache, inputs.state_restores, to_device)
+        return None
     context = inputs.context(to_device)
     set_context(context)
     try:

@@ -64,13 +64,15 @@ class StateMetadata:
     num_decodes: int
     decode_slots: torch.Tensor | None  # int64 [num_decodes] on the device
     spans: list[_Span]
+    keep: bool = True  # the sequences have slots: read and write their states
 
 
 def build_state_metadata(ctx: Context, num_tokens: int) -> StateMetadata:
     """The Gated DeltaNet layout of one forward (once, for all layers): no device reads."""
     if ctx.state_slots is None:  # no state (a profiling forward): one fresh span per sequence
         q_lens = ctx.q_lens_host or [num_tokens]
-        return StateMetadata(0, None, _spans(q_lens, [0] * len(q_lens), [-1] * len(q_lens), 0))
+        return StateMetadata(0, None, _spans(q_lens, [0] * len(q_lens), [-1] * len(q_lens), 0),
+                             keep=False)
     if ctx.all_decode:
         return StateMetadata(ctx.state_slots.shape[0], ctx.state_slots, [])
     q_lens = ctx.q_lens_host
@@ -87,7 +89,7 @@ def build_state_metadata(ctx: Context, num_tokens: int) -> StateMetadata:
 def _spans(q_lens: list[int], computed: list[int], slots: list[int], start: int) -> list[_Span]:
     spans = []
     for q_len, done, slot in zip(q_lens, computed, slots, strict=True):
-        spans.append(_Span(start, start + q_len, slot, done > 0))
+        spans.append(_Span(start, start + q_len, slot, done > 0 and slot >= 0))
         start += q_len
     return spans
 
@@ -184,10 +186,6 @@ class GatedDeltaNet(nn.Module):
         core = self.norm(core.view(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(core.view(num_tokens, -1))
 
-    @property
-    def _keeps_state(self) -> bool:
-        return self.conv_state.numel() > 0
-
     def _conv(self, qkv: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
         weight = self.conv1d.weight
         out = torch.empty_like(qkv)
@@ -196,7 +194,7 @@ class GatedDeltaNet(nn.Module):
             states = self.conv_state.index_select(0, meta.decode_slots)
             out[:n], states = causal_conv_step(qkv[:n], weight, states)
             self.conv_state.index_copy_(0, meta.decode_slots, states.to(self.conv_state.dtype))
-        keep = self._keeps_state
+        keep = meta.keep and self.conv_state.numel() > 0
         for span in meta.spans:
             state = self.conv_state[span.slot] if keep and span.has_initial_state else None
             out[span.start : span.end], state = causal_conv(qkv[span.start : span.end], weight, state)
@@ -214,7 +212,7 @@ class GatedDeltaNet(nn.Module):
                 initial_state=states, in_place=True)
             out[:n] = o[:, 0]
             self.ssm_state.index_copy_(0, meta.decode_slots, states.to(self.ssm_state.dtype))
-        keep = self._keeps_state
+        keep = meta.keep and self.ssm_state.numel() > 0
         short = [span for span in meta.spans if span.end - span.start <= RECURRENT_MAX_TOKENS]
         for span in short:
             s, e = span.start, span.end
@@ -226,14 +224,14 @@ class GatedDeltaNet(nn.Module):
                 self.ssm_state[span.slot] = state[0]
         long = [span for span in meta.spans if span.end - span.start > RECURRENT_MAX_TOKENS]
         for group in _padding_groups(long):
-            self._chunk_group(group, q, k, v, g, beta, out)
+            self._chunk_group(group, q, k, v, g, beta, out, keep)
         return out
 
-    def _chunk_group(self, group: list[_Span], q, k, v, g, beta, out: torch.Tensor) -> None:
+    def _chunk_group(self, group: list[_Span], q, k, v, g, beta, out: torch.Tensor,
+                     keep: bool) -> None:
         """The chunked rule over several prefill chunks at once, each zero-padded at its end
         to the longest: zero k, beta and g leave a state as it is, so each sequence's final
         state is its last real token's."""
-        keep = self._keeps_state
         if len(group) == 1:
             (span,) = group
             s, e = span.start, span.end

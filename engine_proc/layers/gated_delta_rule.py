@@ -129,10 +129,17 @@ def causal_conv(
     if state is None:
         state = x.new_zeros(width - 1, x.shape[1])
     full = torch.cat([state.to(weight.dtype), x])
-    out = full[:length] * weight[:, 0]
-    for j in range(1, width):
-        out.addcmul_(full[j : j + length], weight[:, j])
-    return F.silu(out), full[length:]
+    return _silu_conv([full[j : j + length] for j in range(width)], weight), full[length:]
+
+
+def _silu_conv(taps: list[torch.Tensor], weight: torch.Tensor) -> torch.Tensor:
+    """silu(sum_j taps[j] * weight[:, j]), accumulated in fp32 and rounded once to the
+    weight's dtype, as F.conv1d does (bf16 results then equal transformers')."""
+    w = weight.float()
+    out = taps[0].float() * w[:, 0]
+    for j in range(1, len(taps)):
+        out.addcmul_(taps[j].float(), w[:, j])
+    return F.silu(out.to(weight.dtype))
 
 
 def causal_conv_step(
@@ -141,7 +148,4 @@ def causal_conv_step(
     """One new input per sequence: x [N, C], states [N, K-1, C] -> (silu(conv) [N, C], the
     new states [N, K-1, C])."""
     full = torch.cat([states.to(weight.dtype), x.to(weight.dtype).unsqueeze(1)], dim=1)
-    out = full[:, 0] * weight[:, 0]
-    for j in range(1, weight.shape[1]):
-        out.addcmul_(full[:, j], weight[:, j])
-    return F.silu(out), full[:, 1:]
+    return _silu_conv([full[:, j] for j in range(weight.shape[1])], weight), full[:, 1:]

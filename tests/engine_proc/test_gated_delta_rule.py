@@ -111,3 +111,21 @@ def test_zero_padding_at_the_end_keeps_outputs_and_final_state():
         length = inputs[0].shape[1]
         torch.testing.assert_close(out[i : i + 1, :length], alone, **TOL)
         torch.testing.assert_close(state[i : i + 1], alone_state, **TOL)
+
+
+def test_bf16_conv_rounds_once_as_transformers():
+    """Accumulated in fp32 and rounded once, as F.conv1d does: bf16 outputs equal
+    transformers' bit for bit."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(1, 512, 40, generator=gen).bfloat16()
+    weight = torch.randn(512, 4, generator=gen).bfloat16()
+    expected = hf.causal_conv1d_fn(x, weight, None, activation="silu")[0].t()
+    ours, _ = causal_conv(x[0].t(), weight, None)
+    torch.testing.assert_close(ours, expected, atol=0, rtol=0)
+    states = torch.randn(3, 3, 512, generator=gen).bfloat16()
+    step_in = torch.randn(3, 512, generator=gen).bfloat16()
+    hf_state = torch.cat([torch.zeros(3, 1, 512, dtype=torch.bfloat16), states], 1)
+    expected = hf.causal_conv1d_update(step_in[..., None], hf_state.transpose(1, 2).contiguous(),
+                                       weight, None, "silu")[..., 0]
+    torch.testing.assert_close(causal_conv_step(step_in, weight, states)[0], expected,
+                               atol=0, rtol=0)

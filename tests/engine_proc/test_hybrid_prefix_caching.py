@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from engine_proc.llm_engine import LLMEngine
 from shared.messages import AddRequest
@@ -132,3 +133,21 @@ def test_tensor_parallel_ranks_restore_alike(dense):
         assert split.scheduler.num_prefix_cache_hits > 0
     finally:
         split.close()
+
+
+def test_a_hit_that_ends_inside_an_image_encoded_in_stages(dense):
+    """The prompt's snapshot boundary (16) falls inside its image, whose encoding takes
+    steps of their own (an 8-patch budget): the restore runs in a step with no tokens, and
+    the second request gets the first one's tokens."""
+    from tests.engine_proc.test_tensor_parallel import generate
+
+    path, config = dense
+    engine = make_engine(path, encoder_cache_bytes=0, max_num_encoder_patches=8)
+    ids, images = make_prompt(config, [10, (4, 4), 3], 7)
+    sampling = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    first, first_logits = generate(engine, [AddRequest("a", ids, sampling, images)])
+    again, again_logits = generate(engine, [AddRequest("b", ids, sampling, images)])
+    assert engine.scheduler.num_prefix_cache_hits == 16
+    assert again["b"] == first["a"]
+    for a, b in zip(first_logits, again_logits, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=0)
