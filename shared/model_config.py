@@ -87,8 +87,6 @@ class TextConfig:
     # full attention); linear layers are Gated DeltaNet with a per-sequence state.
     layer_types: tuple[str, ...] = ()
     partial_rotary_factor: float = 1.0  # the share of head_dim the rotary turns
-    attn_output_gate: bool = False  # q_proj also yields a sigmoid gate on the output
-    zero_centered_norm: bool = False  # decoder RMSNorms scale by (1 + w), in fp32
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0
@@ -316,8 +314,6 @@ def _hybrid_fields(cfg: dict, text: dict) -> dict:
     return dict(
         layer_types=_layer_types(text),
         partial_rotary_factor=float(factor),
-        attn_output_gate=bool(text.get("attn_output_gate", True)),
-        zero_centered_norm=True,
         linear_num_key_heads=int(text["linear_num_key_heads"]),
         linear_num_value_heads=int(text["linear_num_value_heads"]),
         linear_key_head_dim=int(text["linear_key_head_dim"]),

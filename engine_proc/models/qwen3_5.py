@@ -9,10 +9,11 @@ on its output. Every decoder norm is zero-centred. MoE layers add a shared exper
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine_proc.context import get_context
-from engine_proc.distributed import Shard, tp_shard
+from engine_proc.distributed import Shard, all_reduce, tp_shard
 from engine_proc.layers.attention import Attention, build_attention_metadata
 from engine_proc.layers.gated_delta_net import GatedDeltaNet, build_state_metadata
 from engine_proc.layers.linear import MergedLinear, RowParallelLinear
@@ -68,9 +69,11 @@ class SharedExpertMoeBlock(SparseMoeBlock):
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # the shared expert's down_proj sums over the ranks itself, as the routed sum does
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return super().forward(x) + shared
+        # each rank's parts of the routed and shared sums, summed over the ranks once
+        expert = self.shared_expert
+        shared = F.linear(expert.act(expert.gate_up_proj(x)), expert.down_proj.weight)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return all_reduce(self.routed(x) + shared, self.shard)
 
 
 class Qwen3_5DecoderLayer(nn.Module):

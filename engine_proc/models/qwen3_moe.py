@@ -144,8 +144,12 @@ class SparseMoeBlock(nn.Module):
                                     shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(self.routed(x), self.shard)
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the experts' weighted sum (whole on a single rank)."""
         probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return all_reduce(self.experts(x, experts, weights.to(x.dtype)), self.shard)
+        return self.experts(x, experts, weights.to(x.dtype))
