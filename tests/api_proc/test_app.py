@@ -208,6 +208,12 @@ def test_completions(server, engine_double, tiny_model_path):
         "url": "data:image/png;base64,aGVsbG8="}}]}]}, 400, "not a supported image"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
         "url": "http://127.0.0.1:1/x.png"}}]}]}, 400, "non-public"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "http://0177.0.0.1:8499/x.png"}}]}]}, 400, "image URL host: '0177.0.0.1'"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "http://[::1/x.png"}}]}]}, 400, "image URL host"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "http://a\x00b/x.png"}}]}]}, 400, "image URL host: control character"),
 ])
 def test_bad_requests_get_openai_errors(server, body, status, match):
     r = httpx.post(server.url + "/v1/chat/completions", json=body)
