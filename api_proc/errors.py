@@ -1,6 +1,7 @@
 """OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the right status.
 
-400 bad input, 401 bad API key, 404 unknown model or route, 413 too large, 429 over budget,
+400 bad input, 401 bad API key, 404 unknown model or route, 413 too large, 415 not JSON,
+429 over budget,
 503 no engine. 500 only for bugs. Messages never carry request payloads (R1): an error
 built from a validation failure keeps the field path, never the input value.
 """
@@ -55,6 +56,12 @@ class NotFound(HTTPError):
 class PayloadTooLarge(HTTPError):
     status = 413
     type = "request_too_large"
+
+
+class UnsupportedMediaType(HTTPError):
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_media_type"
 
 
 class OverBudget(HTTPError):

@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 from starlette.requests import ClientDisconnect, Request
 
 from api_proc.admission import AdmissionController, Reservation
-from api_proc.errors import PayloadTooLarge
+from api_proc.errors import PayloadTooLarge, UnsupportedMediaType
 
 
 class ClientGone(Exception):
@@ -51,11 +51,23 @@ BODY_ADMISSION_MIN_BYTES = 64 << 10
 BODY_COPIES = 2
 
 
+def require_json(content_type: str | None) -> None:
+    """415 unless the body is declared as JSON. A web page can send text/plain (or no type)
+    to any server without a CORS preflight; only a page the CORS settings allow can send
+    application/json, so a keyless local server runs nothing a foreign page asks for."""
+    media_type = (content_type or "").partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        shown = repr(content_type) if content_type else "none"
+        raise UnsupportedMediaType(f"Content-Type must be application/json, got {shown}")
+
+
 async def read_body(request: Request, limit: int, admission: AdmissionController
                     ) -> RequestBody:
-    """The request body, refused with 413 as soon as it passes `limit` bytes. A large body
-    is admitted before it is read (R4): its declared length up front, an undeclared one in
-    doubling steps as it arrives. Until admitted, its bytes stay in the socket buffers."""
+    """The request body, refused with 415 unless it is declared as JSON and with 413 as soon
+    as it passes `limit` bytes. A large body is admitted before it is read (R4): its
+    declared length up front, an undeclared one in doubling steps as it arrives. Until
+    admitted, its bytes stay in the socket buffers."""
+    require_json(request.headers.get("content-type"))
     declared = request.headers.get("content-length")
     size_hint = int(declared) if declared is not None and declared.isdigit() else None
     if size_hint is not None and size_hint > limit:

@@ -226,6 +226,26 @@ def test_malformed_json_is_400(server):
     assert_error(r, 400, "invalid_request_error", "JSON")
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x", "application/jsonx"])
+def test_a_body_not_declared_as_json_is_415_and_runs_nothing(server, engine_double, path,
+                                                             content_type):
+    # what a foreign web page can send without a CORS preflight
+    prompt = {"prompt": "csrf"} if path == "/v1/completions" else {
+        "messages": [{"role": "user", "content": "csrf"}]}
+    body = json.dumps({**prompt, "max_tokens": 2})
+    headers = {"content-type": content_type} if content_type else {}
+    before = len(engine_double.log()["requests"])
+    r = httpx.post(server.url + path, content=body.encode(), headers=headers)
+    error = assert_error(r, 415, "invalid_request_error", "Content-Type must be application/json")
+    assert error.code == "unsupported_media_type"
+    assert len(engine_double.log()["requests"]) == before
+    ok = httpx.post(server.url + path, content=body.encode(),
+                    headers={"content-type": "Application/JSON; charset=utf-8"})
+    assert ok.status_code == 200, ok.text
+
+
 def test_unknown_route_is_404(server):
     assert_error(httpx.get(server.url + "/v2/nothing"), 404, "not_found_error")
     assert httpx.get(server.url + "/v1/chat/completions").status_code == 405
@@ -245,7 +265,8 @@ def test_body_and_image_size_limits(start_app, engine_double):
     assert 10_000 < len(small) < 30_000
     assert_error(chat(server, image_content(small)), 413, match="max_image_bytes=10000")
     chunked = httpx.post(server.url + "/v1/chat/completions",
-                         content=iter([b"{" + b" " * 40_000, b" " * 40_000 + b"}"]))
+                         content=iter([b"{" + b" " * 40_000, b" " * 40_000 + b"}"]),
+                         headers={"content-type": "application/json"})
     assert_error(chunked, 413, match="max_body_bytes")
 
 
