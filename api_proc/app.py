@@ -105,13 +105,16 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
     app.state.engine_client = engines
     app.state.metrics = metrics
 
-    def check_api_key(request: Request) -> None:
+    def has_api_key(request: Request) -> bool:
         if config.api_key is None:
-            return
+            return True
         auth = request.headers.get("authorization", "")
         scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(),
-                                                                      config.api_key.encode()):
+        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(),
+                                                                     config.api_key.encode())
+
+    def check_api_key(request: Request) -> None:
+        if not has_api_key(request):
             raise Unauthorized("invalid or missing API key (Authorization: Bearer ...)")
 
     async def handle(endpoint: str, request: Request,
@@ -169,9 +172,17 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
         return ModelList(data=cards).model_dump()
 
     @app.get("/health")
-    async def health() -> JSONResponse:
+    async def health(request: Request) -> JSONResponse:
         engines_health = await engines.health()
         dead = [e for e in engines_health if not e["ok"]]
+        status = 503 if dead or not engines_health else 200
+        if not has_api_key(request):
+            # probes need no key, but engine addresses and failure details are for key holders
+            body = {"status": "ok" if status == 200 else "unhealthy"}
+            if status != 200:
+                body["reason"] = (f"{len(dead)} of {len(engines_health)} engines unavailable"
+                                  if engines_health else "no engine is configured")
+            return JSONResponse(body, status_code=status)
         if not engines_health:
             return JSONResponse({"status": "unhealthy", "reason": "no engine is configured",
                                  "engines": []}, status_code=503)
@@ -181,7 +192,9 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
                                  "engines": engines_health}, status_code=503)
         return JSONResponse({"status": "ok", "engines": engines_health})
 
-    @app.get("/metrics")
+    metrics_auth = [] if config.allow_unauthenticated_metrics else [Depends(check_api_key)]
+
+    @app.get("/metrics", dependencies=metrics_auth)
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
 

@@ -121,7 +121,10 @@ class ApiConfig:
     port: int = opt(8000, "port to listen on")
     served_model_name: tuple[str, ...] = opt(
         (), "model ids clients may use, the first one in responses (default: the folder's name)")
-    api_key: str | None = opt(None, "require 'Authorization: Bearer KEY' on /v1 routes")
+    api_key: str | None = opt(None, "require 'Authorization: Bearer KEY' on /v1 routes and "
+                                    "/metrics (/health answers without it, status only)")
+    allow_unauthenticated_metrics: bool = opt(
+        False, "with --api-key: serve /metrics without the key (a scraper that holds none)")
     root_path: str = opt("", "the path prefix a proxy serves this API under (FastAPI's "
                              "root_path): both /PREFIX/v1/... and /v1/... are served")
     allowed_origins: tuple[str, ...] = opt(
@@ -216,6 +219,9 @@ class ApiConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (use None to disable)")
+        if self.allow_unauthenticated_metrics and self.api_key is None:
+            raise ValueError("allow_unauthenticated_metrics applies with api_key only "
+                             "(without one every route is open)")
         if self.root_path and (not self.root_path.startswith("/") or self.root_path == "/"
                                or self.root_path.endswith("/")):
             raise ValueError(f"root_path must look like /prefix, got {self.root_path!r}")

@@ -295,6 +295,35 @@ def test_api_key(start_app, engine_double):
     assert httpx.get(server.url + "/health").status_code == 200  # probes need no key
 
 
+def test_api_key_guards_metrics_and_health_details(start_app, engine_double, fresh_engine_double):
+    key = {"Authorization": "Bearer sekrit"}
+    server = start_app(engine_double, api_key="sekrit")
+    assert_error(httpx.get(server.url + "/metrics"), 401, "authentication_error")
+    assert_error(httpx.get(server.url + "/metrics", headers={"Authorization": "Bearer no"}), 401)
+    assert "vllm:num_requests_running" in httpx.get(server.url + "/metrics", headers=key).text
+    terse = httpx.get(server.url + "/health")
+    assert terse.status_code == 200 and terse.json() == {"status": "ok"}
+    detailed = httpx.get(server.url + "/health", headers=key).json()
+    assert detailed["engines"][0]["address"] == engine_double.address
+    # a dead engine: the probe still sees 503, but not where the socket is nor why
+    dying = start_app(fresh_engine_double, api_key="sekrit")
+    fresh_engine_double.kill()
+    terse = httpx.get(dying.url + "/health")
+    assert terse.status_code == 503
+    assert terse.json() == {"status": "unhealthy", "reason": "1 of 1 engines unavailable"}
+    assert fresh_engine_double.address.removeprefix("ipc://") not in terse.text
+    detailed = httpx.get(dying.url + "/health", headers=key)
+    assert detailed.status_code == 503 and "exited" in detailed.json()["reason"]
+
+
+def test_metrics_can_be_opened_beside_the_api_key(start_app, engine_double, make_config):
+    server = start_app(engine_double, api_key="sekrit", allow_unauthenticated_metrics=True)
+    assert httpx.get(server.url + "/metrics").status_code == 200
+    assert_error(chat(server, "x"), 401)
+    with pytest.raises(ValueError, match="allow_unauthenticated_metrics applies with api_key"):
+        make_config(allow_unauthenticated_metrics=True)
+
+
 def test_engine_error_mid_stream_and_non_stream(server):
     r = chat(server, "[[error]] please")
     assert_error(r, 500, "engine_error", "failed on purpose")
