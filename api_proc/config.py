@@ -15,6 +15,7 @@ from shared.config_args import add_dataclass_args, dataclass_from_args, opt, par
 from shared.model_config import ImageProcessorConfig, load_model_config
 from shared.sampling_params import MAX_LOGPROBS
 
+KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
 # Qwen's `<tool_call>` JSON (api_proc/tool_parser.py); vLLM names it after the Hermes models
@@ -155,6 +156,11 @@ class ApiConfig:
     max_image_pixels: int = opt(40_000_000, "most pixels an image header may declare")
     max_image_bytes: int = opt(20 * MiB, "most encoded bytes per image")
     max_body_bytes: int = opt(200 * MiB, "most bytes in one HTTP request body")
+    max_header_bytes: int = opt(64 * KiB, "most bytes in a request's line and headers (431 "
+                                          "past it)")
+    header_read_timeout_s: float = opt(10.0, "seconds a request's line and headers may take "
+                                             "to arrive (408 past it, and the connection "
+                                             "closes)")
     mm_inflight_budget: int = opt(
         2 * GiB, "most image bytes in flight: request bodies, decoding and resizing, and "
         "resized pixels until their engine has prefilled them")
@@ -236,10 +242,10 @@ class ApiConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")
         for name in ("max_image_pixels", "max_image_bytes", "max_body_bytes",
-                     "mm_inflight_budget", "max_n"):
+                     "max_header_bytes", "mm_inflight_budget", "max_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("admission_timeout_s", "media_fetch_timeout_s"):
+        for name in ("admission_timeout_s", "media_fetch_timeout_s", "header_read_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.allowed_media_domains is not None:

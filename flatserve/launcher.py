@@ -190,6 +190,7 @@ def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
     from api_proc.app import build_app
+    from api_proc.http_protocol import http_protocol
 
     set_process_title("flatserve: api")
     apply_malloc_settings(API_MALLOC_ENV)
@@ -261,7 +262,8 @@ def run_server(args: argparse.Namespace) -> int:
         logger.info("serving %s on %s://%s:%d (glibc: %s)", ", ".join(served_names),
                     config.scheme, config.host, config.port,
                     ", ".join(f"{k}={v}" for k, v in API_MALLOC_ENV.items()))
-        uvicorn.run(app, host=config.host, port=config.port, loop="uvloop", http="httptools",
+        uvicorn.run(app, host=config.host, port=config.port, loop="uvloop",
+                    http=http_protocol(config),
                     ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,
                     ssl_ca_certs=config.ssl_ca_certs, ssl_cert_reqs=config.ssl_cert_reqs,
                     log_level=args.uvicorn_log_level or args.log_level,

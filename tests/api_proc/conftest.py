@@ -250,11 +250,14 @@ class AppServer:
     def __init__(self, app):
         import uvicorn
 
+        from api_proc.http_protocol import http_protocol
+
         self.app = app
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                lifespan="on", loop="asyncio")
+                                lifespan="on", loop="asyncio",
+                                http=http_protocol(app.state.config))
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
