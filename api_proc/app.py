@@ -29,7 +29,7 @@ from api_proc.media_loader import MediaLoader
 from api_proc.metrics import Metrics
 from api_proc.prompt_builder import PromptBuilder
 from api_proc.protocol import ModelCard, ModelList
-from api_proc.request_body import ClientGone, RequestBody, read_body, wait_for_disconnect
+from api_proc.request_body import BodyReader, ClientGone, RequestBody, wait_for_disconnect
 from api_proc.responses import ResponseWriter
 from api_proc.serving import Prepared, Serving
 from shared.model_config import load_model_config
@@ -78,6 +78,8 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
                       mm_inflight_budget=config.mm_inflight_budget,
                       engine_stats=lambda: [e.stats for e in engines.engines],
                       model_name=config.model_name)
+    bodies = BodyReader(config.max_body_bytes, admission, config.body_read_timeout_s,
+                        config.max_unread_bodies)
     serving = Serving(config, builder, loader, admission, engines, metrics)
     responses = ResponseWriter(metrics, LogprobsFormatter(builder.decoder))
 
@@ -102,6 +104,7 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
     app.state.config = config
     app.state.serving = serving
     app.state.admission = admission
+    app.state.bodies = bodies
     app.state.engine_client = engines
     app.state.metrics = metrics
 
@@ -124,7 +127,7 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
         body = None
         try:
             # The body is read before the disconnect watcher starts: both would receive().
-            body = await read_body(request, config.max_body_bytes, admission)
+            body = await bodies.read(request)
             prepared = await run_until_disconnect(request, prepare(body, arrival))
             if config.enable_log_requests:
                 logger.info("request %s (%s): %d prompt tokens, %d choices, stream %s",
@@ -132,7 +135,7 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
                             len(prepared.choices), prepared.stream)
         except HTTPError as e:
             metrics.count_request(endpoint, e.status)
-            return error_response(e)
+            return error_response(e, close=body is None)
         except ClientGone:
             metrics.count_request(endpoint, 499)
             return Response(status_code=499)

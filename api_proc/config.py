@@ -158,6 +158,10 @@ class ApiConfig:
     max_body_bytes: int = opt(200 * MiB, "most bytes in one HTTP request body")
     max_header_bytes: int = opt(64 * KiB, "most bytes in a request's line and headers (431 "
                                           "past it)")
+    body_read_timeout_s: float = opt(60.0, "seconds a request body may take to arrive, not "
+                                           "counting waits for budget (408 past it)")
+    max_unread_bodies: int = opt(64, "most request bodies being received at once; more wait "
+                                     "for a turn (429 after --body-read-timeout-s)")
     header_read_timeout_s: float = opt(10.0, "seconds a request's line and headers may take "
                                              "to arrive (408 past it, and the connection "
                                              "closes)")
@@ -242,10 +246,11 @@ class ApiConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")
         for name in ("max_image_pixels", "max_image_bytes", "max_body_bytes",
-                     "max_header_bytes", "mm_inflight_budget", "max_n"):
+                     "max_header_bytes", "max_unread_bodies", "mm_inflight_budget", "max_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("admission_timeout_s", "media_fetch_timeout_s", "header_read_timeout_s"):
+        for name in ("admission_timeout_s", "media_fetch_timeout_s", "header_read_timeout_s",
+                     "body_read_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.allowed_media_domains is not None:
