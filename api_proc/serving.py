@@ -40,7 +40,7 @@ from api_proc.errors import (
 from api_proc.image_resubmit import KeptImages, ResubmittingStream
 from api_proc.media_loader import EncodedImage, MediaLoader, MediaRef
 from api_proc.metrics import Metrics
-from api_proc.prompt_builder import PromptBuilder, template_messages
+from api_proc.prompt_builder import LONG_TEXT_CHARS, PromptBuilder, template_messages, text_chars
 from api_proc.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -56,7 +56,6 @@ from shared.messages import AddRequest, ImageInput
 from shared.sampling_params import SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-OFFLOAD_TEXT_CHARS = 16_384  # longer prompts are templated and tokenized off the event loop
 
 
 @dataclass(eq=False)
@@ -222,6 +221,8 @@ class Serving:
                                   f"limit_mm_per_prompt={self.config.limit_mm_per_prompt}",
                                   param="messages", code="too_many_images")
         messages = template_messages(req.messages)
+        num_chars = text_chars(messages)
+        self.builder.check_prompt_chars(num_chars, "messages")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         template_kwargs = {**self.config.template_defaults, **(req.chat_template_kwargs or {})}
         requested = req.requested_max_tokens
@@ -234,7 +235,7 @@ class Serving:
         refs = None
         grids = [e.grid_thw for e in encoded]
         build = functools.partial(self._chat_prompt, messages, grids, tools, template_kwargs)
-        if sum(len(str(m["content"])) for m in messages) > OFFLOAD_TEXT_CHARS:
+        if num_chars > LONG_TEXT_CHARS:
             prompt_ids, prompt_end = await asyncio.to_thread(build)
         else:
             prompt_ids, prompt_end = build()
@@ -271,7 +272,14 @@ class Serving:
         settings = _RequestSettings.of(req)
         echo = req.echo
         req = None
-        ids_per_prompt = [self.builder.build_completion(p) for p in prompts]
+        for p in prompts:
+            if isinstance(p, str):
+                self.builder.check_prompt_chars(len(p), "prompt")
+        if sum(len(p) for p in prompts if isinstance(p, str)) > LONG_TEXT_CHARS:
+            ids_per_prompt = await asyncio.to_thread(
+                lambda: [self.builder.build_completion(p) for p in prompts])
+        else:
+            ids_per_prompt = [self.builder.build_completion(p) for p in prompts]
         for ids in ids_per_prompt:
             if not ids:
                 raise BadRequest("prompt is empty", param="prompt")

@@ -67,6 +67,22 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(server):
     assert _chat(server.url, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).status_code == 200
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_huge_text_prompt_is_refused_untokenized_and_its_memory_goes_back(server, path):
+    api = psutil.Process(server.process.pid)
+    assert _chat(server.url, {"messages": [{"role": "user", "content": "warm"}],
+                              "max_tokens": 2}).status_code == 200
+    idle = api.memory_info().rss
+    text = "word " * 2_000_000  # 10 MB: tokenized, it took ~100 MB per MB of text
+    prompt = {"prompt": text} if path == "/v1/completions" else {
+        "messages": [{"role": "user", "content": text}]}
+    r = httpx.post(server.url + path, json={"model": MODEL, "max_tokens": 2, **prompt},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert "characters" in r.json()["error"]["message"]
+    assert api.memory_info().rss - idle < 20 << 20
+
+
 def test_client_disconnect_aborts_the_request_in_the_engine(server):
     address = httpx.get(server.url + "/health").json()["engines"][0]["address"]
     body = {"model": MODEL, "messages": [{"role": "user", "content": "tell me everything"}],
