@@ -329,32 +329,34 @@ class Serving:
         the caller releases it on every other path)."""
         # 503 now, before any pixel is decoded, when no engine is up; wait while all are full
         await self.engines.wait_for_room(self.config.admission_timeout_s)
-        reservation = None
+        reservation = kept = None
         if encoded:
             # every choice after the first sends its own copy of the pixels to an engine
             per_request = sum(e.resized_bytes for e in encoded)
+            # the same whether images are skipped or not: kept encoded bytes are the bytes
+            # decoding counts as its input, not a second copy (a cache hit needs no more)
             need = sum(e.need_bytes for e in encoded) + (len(prompt_ids) - 1) * per_request
-            if any(c.holds_image(e.key) for c in self.engines.engines for e in encoded):
-                need += sum(e.nbytes for e in encoded)  # KeptImages: the bytes outlive decoding
             if held is not None and held.nbytes:
                 reservation = await self.admission.exchange(held, need)
             else:
                 reservation = await self.admission.acquire(need)
+            if any(c.holds_image(e.key) for c in self.engines.engines for e in encoded):
+                # before decoding takes the bytes; held by this call until it has submitted
+                kept = KeptImages([dataclasses.replace(e) for e in encoded],
+                                  reservation.split(sum(e.nbytes for e in encoded)))
+                kept.hold()
         held = None
         try:
             streams: list[RequestStream | ResubmittingStream] = []
             try:
                 images: list[ImageInput | None] = [None] * len(encoded)  # decoded when needed
-                kept = None
                 for i, (ids, params) in enumerate(zip(prompt_ids, sampling, strict=True)):
                     engine = self.engines.pick()
-                    skip = [engine.holds_image(e.key) for e in encoded]
-                    if any(skip) and kept is None:  # before decoding takes the bytes
-                        kept = KeptImages([dataclasses.replace(e) for e in encoded],
-                                          reservation.split(sum(e.nbytes for e in encoded)))
+                    skip = [kept is not None and engine.holds_image(e.key) for e in encoded]
                     todo = [j for j, s in enumerate(skip) if not s and images[j] is None]
                     if todo:
-                        decoded = await self._decode([encoded[j] for j in todo], reservation)
+                        decoded = await self._decode([encoded[j] for j in todo], reservation,
+                                                     kept is not None)
                         for j, image in zip(todo, decoded, strict=True):
                             images[j] = image
                         decoded = None
@@ -373,13 +375,16 @@ class Serving:
                         stream = ResubmittingStream(stream, kept, functools.partial(
                             self._resubmit, request_id, ids, params))
                     streams.append(stream)
-                images = encoded = kept = None  # R1: the engines and KeptImages hold them
+                images = encoded = None  # R1: the engines and KeptImages hold them
             except BaseException:
                 for s in streams:
                     await s.aclose()
                 raise
             return streams
         finally:
+            if kept is not None:
+                kept.release()  # the streams sent without pixels hold it now, if any
+                kept = None
             if reservation is not None:
                 reservation.release()
 
@@ -404,11 +409,13 @@ class Serving:
         finally:
             reservation.release()
 
-    async def _decode(self, encoded: list[EncodedImage], reservation: Reservation
-                      ) -> list[ImageInput]:
+    async def _decode(self, encoded: list[EncodedImage], reservation: Reservation,
+                      bytes_kept: bool = False) -> list[ImageInput]:
+        """`bytes_kept`: KeptImages holds the encoded bytes (and their budget) on."""
         async def one(image: EncodedImage) -> ImageInput:
             result = await self.loader.decode(image)
-            reservation.release(image.need_bytes - image.resized_bytes)  # decoding is over
+            done = image.need_bytes - image.resized_bytes  # decoding is over
+            reservation.release(done - image.nbytes if bytes_kept else done)
             return result
 
         work = asyncio.ensure_future(_settle([one(e) for e in encoded]))
