@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -119,18 +120,46 @@ def start_engines(configs: list[EngineConfig], timeout_s: float = 600.0) -> list
     return handles
 
 
-def stop_engines(handles: list[SpawnedEngine], grace_s: float = 10.0) -> None:
+def kill_engines(handles: list[SpawnedEngine]) -> None:
     for handle in handles:
         if handle.alive:
-            handle.process.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for handle in handles:
-        try:
-            handle.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            logger.warning("engine %d did not stop in %.0fs; killing it", handle.config.rank, grace_s)
             handle.process.kill()
-            handle.process.wait()
+
+
+def stop_engines(handles: list[SpawnedEngine], grace_s: float = 10.0) -> None:
+    """SIGTERM every engine, SIGKILL those still there after `grace_s`. A SIGINT or SIGTERM
+    meanwhile (a second Ctrl-C) kills them at once: it never cuts the wait short and leaves
+    an engine behind."""
+    def escalate(signum, frame) -> None:
+        logger.warning("%s while stopping: killing the engines", signal.Signals(signum).name)
+        kill_engines(handles)
+
+    previous = _set_stop_handlers(escalate)
+    try:
+        for handle in handles:
+            if handle.alive:
+                handle.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for handle in handles:
+            try:
+                handle.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("engine %d did not stop in %.0fs; killing it",
+                               handle.config.rank, grace_s)
+                handle.process.kill()
+                handle.process.wait()
+    finally:
+        _set_stop_handlers(previous)
+
+
+def _set_stop_handlers(handlers) -> dict | None:
+    """Install `handlers` (one for both, or {signal: handler}) for SIGINT and SIGTERM; the
+    ones they replace. Only the main thread may: elsewhere nothing changes (None)."""
+    if handlers is None or threading.current_thread() is not threading.main_thread():
+        return None
+    if not isinstance(handlers, dict):
+        handlers = {signal.SIGINT: handlers, signal.SIGTERM: handlers}
+    return {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
 
 
 def _resolve_model(args: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
@@ -273,6 +302,8 @@ def run_server(args: argparse.Namespace) -> int:
         logger.info("stopped by %s", stop)
         return 0
     finally:
-        stop_engines(handles)
-        ipc_dir.close()
+        try:
+            stop_engines(handles)
+        finally:
+            ipc_dir.close()
 

@@ -138,6 +138,35 @@ def test_stop_leaves_no_process_or_socket_file(tmp_path, sig):
     assert not os.path.exists(os.path.dirname(socket_file)), proc.log_tail()
 
 
+def _pending_signals(pid: int) -> int:
+    """The signals pending for a process (its /proc status ShdPnd mask)."""
+    with open(f"/proc/{pid}/status") as f:
+        line = next(line for line in f if line.startswith("ShdPnd:"))
+    return int(line.split()[1], 16)
+
+
+def test_a_second_ctrl_c_kills_an_engine_slow_to_stop(tmp_path):
+    proc = ServerProcess(log_path=tmp_path / "server.log").wait_ready()
+    engine = proc.engine_pids()[0]
+    socket_file = httpx.get(proc.url + "/health").json()["engines"][0]["address"][len("ipc://"):]
+    os.kill(engine, signal.SIGSTOP)  # an engine that does not stop when asked
+    try:
+        proc.process.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 20
+        while not _pending_signals(engine) & (1 << (signal.SIGTERM - 1)):
+            assert time.monotonic() < deadline, "the launcher never asked the engine to stop"
+            time.sleep(0.05)
+        proc.process.send_signal(signal.SIGINT)  # the second Ctrl-C
+        assert proc.stop(timeout=20) == 0, proc.log_tail()
+        assert not psutil.pid_exists(engine) or \
+            psutil.Process(engine).status() == psutil.STATUS_ZOMBIE, proc.log_tail()
+        assert not os.path.exists(os.path.dirname(socket_file)), proc.log_tail()
+        assert "SIGINT while stopping: killing the engines" in proc.log_tail()
+    finally:
+        if psutil.pid_exists(engine):
+            os.kill(engine, signal.SIGKILL)
+
+
 def test_two_engines_share_the_load(tmp_path):
     # the engines split the host's cores between them instead of each taking all of them
     threads = max(1, len(os.sched_getaffinity(0)) // 2)
