@@ -156,6 +156,10 @@ class ApiConfig:
     max_image_pixels: int = opt(40_000_000, "most pixels an image header may declare")
     max_image_bytes: int = opt(20 * MiB, "most encoded bytes per image")
     max_body_bytes: int = opt(200 * MiB, "most bytes in one HTTP request body")
+    shutdown_timeout_s: float = opt(
+        30.0, "on SIGTERM/SIGINT: seconds the requests in flight may take to finish (no new "
+        "ones are accepted); those still running then end with an error", aliases=(
+            "--shutdown-timeout",))
     max_header_bytes: int = opt(64 * KiB, "most bytes in a request's line and headers (431 "
                                           "past it)")
     body_read_timeout_s: float = opt(60.0, "seconds a request body may take to arrive, not "
@@ -249,6 +253,9 @@ class ApiConfig:
                      "max_header_bytes", "max_unread_bodies", "mm_inflight_budget", "max_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"shutdown_timeout_s must not be negative, got "
+                             f"{self.shutdown_timeout_s}")
         for name in ("admission_timeout_s", "media_fetch_timeout_s", "header_read_timeout_s",
                      "body_read_timeout_s"):
             if not getattr(self, name) > 0:

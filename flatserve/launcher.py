@@ -219,6 +219,7 @@ def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
     from api_proc.app import build_app
+    from api_proc.drain import DrainingServer
     from api_proc.http_protocol import http_protocol
 
     set_process_title("flatserve: api")
@@ -291,12 +292,14 @@ def run_server(args: argparse.Namespace) -> int:
         logger.info("serving %s on %s://%s:%d (glibc: %s)", ", ".join(served_names),
                     config.scheme, config.host, config.port,
                     ", ".join(f"{k}={v}" for k, v in API_MALLOC_ENV.items()))
-        uvicorn.run(app, host=config.host, port=config.port, loop="uvloop",
-                    http=http_protocol(config),
-                    ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,
-                    ssl_ca_certs=config.ssl_ca_certs, ssl_cert_reqs=config.ssl_cert_reqs,
-                    log_level=args.uvicorn_log_level or args.log_level,
-                    access_log=not args.disable_uvicorn_access_log, timeout_graceful_shutdown=5)
+        server_config = uvicorn.Config(
+            app, host=config.host, port=config.port, loop="uvloop", http=http_protocol(config),
+            ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,
+            ssl_ca_certs=config.ssl_ca_certs, ssl_cert_reqs=config.ssl_cert_reqs,
+            log_level=args.uvicorn_log_level or args.log_level,
+            access_log=not args.disable_uvicorn_access_log)
+        DrainingServer(server_config, app.state.engine_client.abort_all,
+                       config.shutdown_timeout_s).run()
         return 0
     except _Stop as stop:
         logger.info("stopped by %s", stop)

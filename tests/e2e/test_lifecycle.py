@@ -138,6 +138,25 @@ def test_stop_leaves_no_process_or_socket_file(tmp_path, sig):
     assert not os.path.exists(os.path.dirname(socket_file)), proc.log_tail()
 
 
+def test_sigterm_drains_then_ends_what_runs_on_with_an_error(tmp_path):
+    # vLLM's flag name; a generation far longer than the drain is cut with an error event
+    proc = ServerProcess("--shutdown-timeout", "1", log_path=tmp_path / "server.log").wait_ready()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "go on"}],
+            "max_tokens": 4000, "stream": True, "ignore_eos": True}
+    try:
+        with httpx.stream("POST", proc.url + "/v1/chat/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            next(lines)
+            proc.process.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        assert '"code":"server_shutting_down"' in rest[-2].replace(" ", "")
+        assert proc.process.wait(timeout=30) == 0
+        assert "requests still running after 1 s aborted" in proc.log_tail(), proc.log_tail()
+    finally:
+        proc.stop()
+
+
 def _pending_signals(pid: int) -> int:
     """The signals pending for a process (its /proc status ShdPnd mask)."""
     with open(f"/proc/{pid}/status") as f:
