@@ -286,6 +286,7 @@ class EngineConnection:
             self._reasons_logged.add(reason)
             logger.warning("engine %s unavailable: %s", self.address, reason)
         self.lost_reason = reason
+        self.stats = None  # its gauges must not show it busy; the next answer brings fresh ones
         self.encoder_keys.clear()  # the engine that answers next may be a fresh one
         self._ready.clear()
         self._unanswered_since = None

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from api_proc.config import ApiConfig
 from api_proc.engine_client import EngineConnection
+from flatserve.engine_supervisor import EngineSupervisor
 from rpc.sockets import IpcDir
 from shared.engine_config import EngineConfig
 from shared.memory import (
@@ -53,6 +54,7 @@ ENGINE_FLAGS = (
     "state_snapshot_bytes",
 )
 DEFAULT_MAX_MODEL_LEN = 8192
+DEFAULT_MAX_ENGINE_RESTARTS = 5
 
 
 class EngineStartError(RuntimeError):
@@ -118,6 +120,17 @@ def start_engines(configs: list[EngineConfig], timeout_s: float = 600.0) -> list
         stop_engines(handles)
         raise
     return handles
+
+
+def restart_engine(dead: SpawnedEngine, timeout_s: float) -> SpawnedEngine:
+    """A new engine with `dead`'s settings, ready; EngineStartError when it is not."""
+    handle = spawn_engine(dead.config)
+    try:
+        asyncio.run(_wait_ready(handle, time.monotonic() + timeout_s))
+    except BaseException:
+        stop_engines([handle])
+        raise
+    return handle
 
 
 def kill_engines(handles: list[SpawnedEngine]) -> None:
@@ -269,7 +282,15 @@ def run_server(args: argparse.Namespace) -> int:
         for rank in range(num_spawned)
     ]
     addresses = tuple(args.engine_addresses) or tuple(c.address for c in configs)
+    if args.engine_addresses and args.max_engine_restarts is not None:
+        raise SystemExit("flatserve serve: --max-engine-restarts applies to engines spawned "
+                         "here, and with --engine-addresses none is")
+    max_restarts = DEFAULT_MAX_ENGINE_RESTARTS if args.max_engine_restarts is None \
+        else args.max_engine_restarts
+    if max_restarts < 0:
+        raise SystemExit("flatserve serve: --max-engine-restarts must not be negative")
     handles = []
+    supervisor = None
     # uvicorn re-raises the SIGINT/SIGTERM it caught once it has shut down; with these
     # handlers that lands in the `except` below, so engines and socket files are cleaned up.
     signal.signal(signal.SIGTERM, _raise_stop)
@@ -289,6 +310,14 @@ def run_server(args: argparse.Namespace) -> int:
             logger.error("%s", exc)
             return 1
         app = build_app(config, engine_processes=[h.process for h in handles])
+        supervisor = None
+        if handles and max_restarts:
+            supervisor = EngineSupervisor(
+                handles, app.state.engine_client.engines,
+                lambda dead: restart_engine(dead, args.engine_start_timeout), max_restarts,
+                on_restart=app.state.metrics.engine_restarts.inc,
+                is_stopping=lambda: server.should_exit,
+                give_up=lambda reason: setattr(server, "should_exit", True))
         logger.info("serving %s on %s://%s:%d (glibc: %s)", ", ".join(served_names),
                     config.scheme, config.host, config.port,
                     ", ".join(f"{k}={v}" for k, v in API_MALLOC_ENV.items()))
@@ -298,14 +327,19 @@ def run_server(args: argparse.Namespace) -> int:
             ssl_ca_certs=config.ssl_ca_certs, ssl_cert_reqs=config.ssl_cert_reqs,
             log_level=args.uvicorn_log_level or args.log_level,
             access_log=not args.disable_uvicorn_access_log)
-        DrainingServer(server_config, app.state.engine_client.abort_all,
-                       config.shutdown_timeout_s).run()
-        return 0
+        server = DrainingServer(server_config, app.state.engine_client.abort_all,
+                                config.shutdown_timeout_s)
+        if supervisor is not None:
+            supervisor.start()
+        server.run()
+        return 1 if supervisor is not None and supervisor.gave_up else 0
     except _Stop as stop:
         logger.info("stopped by %s", stop)
         return 0
     finally:
         try:
+            if supervisor is not None:
+                supervisor.stop()  # before the engines stop: none is restarted then
             stop_engines(handles)
         finally:
             ipc_dir.close()

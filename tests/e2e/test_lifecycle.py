@@ -157,6 +157,79 @@ def test_sigterm_drains_then_ends_what_runs_on_with_an_error(tmp_path):
         proc.stop()
 
 
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def _wait_until(predicate, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def test_a_dead_engine_is_restarted_and_its_gauges_zeroed(tmp_path):
+    proc = ServerProcess(log_path=tmp_path / "server.log").wait_ready()
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "go on"}],
+                "max_tokens": 4000, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", proc.url + "/v1/chat/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            next(lines)
+            _wait_until(lambda: _metric(proc.url, "vllm:num_requests_running") == 1,
+                        "the engine never reported the request running")
+            dead = proc.engine_pids()[0]
+            os.kill(dead, signal.SIGKILL)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert sum('"error"' in line for line in rest) == 1  # failed once, then [DONE]
+        assert rest[-1] == "data: [DONE]"
+        # the dead engine's last figures are gone at once, not shown as if it were busy
+        assert _metric(proc.url, "vllm:num_requests_running") == 0
+        _wait_until(lambda: httpx.get(proc.url + "/health", timeout=5).status_code == 200,
+                    "the engine was not restarted:\n" + proc.log_tail())
+        assert _metric(proc.url, "flatserve_engine_restarts_total") == 1
+        assert proc.engine_pids() and dead not in proc.engine_pids()
+        assert _chat(proc.url, {"messages": [{"role": "user", "content": "again"}],
+                                "max_tokens": 2}).status_code == 200
+    finally:
+        proc.stop()
+
+
+def test_an_engine_that_cannot_come_back_stops_the_server_non_zero(tmp_path, tiny_model_path):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_path, model)
+    proc = ServerProcess("--model", str(model), "--served-model-name", MODEL,
+                         "--max-engine-restarts", "1", log_path=tmp_path / "server.log")
+    proc.wait_ready()
+    try:
+        for weights in model.glob("*.safetensors"):
+            weights.unlink()  # a restarted engine cannot load
+        os.kill(proc.engine_pids()[0], signal.SIGKILL)
+        assert proc.process.wait(timeout=120) == 1, proc.log_tail()
+        assert "1 restarts in a row failed" in proc.log_tail(), proc.log_tail()
+    finally:
+        proc.stop()
+
+
+def test_engine_restarts_can_be_turned_off(tmp_path):
+    proc = ServerProcess("--max-engine-restarts", "0", log_path=tmp_path / "server.log")
+    proc.wait_ready()
+    try:
+        os.kill(proc.engine_pids()[0], signal.SIGKILL)
+        _wait_until(lambda: httpx.get(proc.url + "/health", timeout=5).status_code == 503,
+                    "the dead engine was not noticed")
+        time.sleep(2)  # longer than the first backoff: a restart would have begun
+        assert proc.engine_pids() == [] and proc.process.poll() is None
+        assert _metric(proc.url, "flatserve_engine_restarts_total") == 0
+    finally:
+        proc.stop()
+
+
 def _pending_signals(pid: int) -> int:
     """The signals pending for a process (its /proc status ShdPnd mask)."""
     with open(f"/proc/{pid}/status") as f:
