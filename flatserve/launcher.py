@@ -269,6 +269,13 @@ def run_server(args: argparse.Namespace) -> int:
     spread = dp > 1
     if (tp > 1 or spread) and num_spawned and _on_gpu(args.device):
         _check_gpu_count(args.device, num_spawned * tp)
+    if args.engine_addresses and args.max_engine_restarts is not None:
+        raise SystemExit("flatserve serve: --max-engine-restarts applies to engines spawned "
+                         "here, and with --engine-addresses none is")
+    max_restarts = DEFAULT_MAX_ENGINE_RESTARTS if args.max_engine_restarts is None \
+        else args.max_engine_restarts
+    if max_restarts < 0:
+        raise SystemExit("flatserve serve: --max-engine-restarts must not be negative")
     ipc_dir = IpcDir(prefix="flatserve-")
     engine_kwargs = {name: getattr(args, name) for name in ENGINE_FLAGS}
     num_processes = num_spawned * tp  # each engine is tp processes, started by its rank 0
@@ -282,13 +289,6 @@ def run_server(args: argparse.Namespace) -> int:
         for rank in range(num_spawned)
     ]
     addresses = tuple(args.engine_addresses) or tuple(c.address for c in configs)
-    if args.engine_addresses and args.max_engine_restarts is not None:
-        raise SystemExit("flatserve serve: --max-engine-restarts applies to engines spawned "
-                         "here, and with --engine-addresses none is")
-    max_restarts = DEFAULT_MAX_ENGINE_RESTARTS if args.max_engine_restarts is None \
-        else args.max_engine_restarts
-    if max_restarts < 0:
-        raise SystemExit("flatserve serve: --max-engine-restarts must not be negative")
     handles = []
     supervisor = None
     # uvicorn re-raises the SIGINT/SIGTERM it caught once it has shut down; with these
@@ -310,7 +310,6 @@ def run_server(args: argparse.Namespace) -> int:
             logger.error("%s", exc)
             return 1
         app = build_app(config, engine_processes=[h.process for h in handles])
-        supervisor = None
         if handles and max_restarts:
             supervisor = EngineSupervisor(
                 handles, app.state.engine_client.engines,
