@@ -103,7 +103,8 @@ def test_client_disconnect_aborts_the_request_in_the_engine(server):
 
 
 def test_engine_killed_mid_stream_fails_cleanly_and_health_says_so(tmp_path):
-    proc = ServerProcess(log_path=tmp_path / "server.log").wait_ready()
+    proc = ServerProcess("--max-engine-restarts", "0", log_path=tmp_path / "server.log")
+    proc.wait_ready()
     try:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "go on"}],
                 "max_tokens": 4000, "stream": True, "ignore_eos": True}
