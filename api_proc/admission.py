@@ -1,8 +1,9 @@
 """Admission control on multimodal bytes in flight, in the API process and the engines (R4).
 
-Three phases share one budget. A large request body is reserved before it is read (its
-bytes and the strings parsed from them), so a crowd of clients uploading base64 images
-cannot hold more than the budget in request bodies. Once its images' headers are read, the
+Three phases share one budget. A large request body is reserved as it arrives (its bytes
+and the strings parsed from them), before more of it is read, so a crowd of clients
+uploading base64 images cannot hold more than the budget in request bodies, and one that
+declares a length it never sends holds nothing. Once its images' headers are read, the
 request exchanges that reservation for the bytes decoding and resizing will need. Once
 decoded, it keeps only its resized pixels' bytes (once per engine request: each of `n`
 choices sends its own copy), and each engine request gives its share back when its first

@@ -29,7 +29,7 @@ from api_proc.media_loader import MediaLoader
 from api_proc.metrics import Metrics
 from api_proc.prompt_builder import PromptBuilder
 from api_proc.protocol import ModelCard, ModelList
-from api_proc.request_body import ClientGone, RequestBody, read_body, wait_for_disconnect
+from api_proc.request_body import BodyReader, ClientGone, RequestBody, wait_for_disconnect
 from api_proc.responses import ResponseWriter
 from api_proc.serving import Prepared, Serving
 from shared.model_config import load_model_config
@@ -78,6 +78,8 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
                       mm_inflight_budget=config.mm_inflight_budget,
                       engine_stats=lambda: [e.stats for e in engines.engines],
                       model_name=config.model_name)
+    bodies = BodyReader(config.max_body_bytes, admission, config.body_read_timeout_s,
+                        config.max_unread_bodies)
     serving = Serving(config, builder, loader, admission, engines, metrics)
     responses = ResponseWriter(metrics, LogprobsFormatter(builder.decoder))
 
@@ -102,16 +104,20 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
     app.state.config = config
     app.state.serving = serving
     app.state.admission = admission
+    app.state.bodies = bodies
     app.state.engine_client = engines
     app.state.metrics = metrics
 
-    def check_api_key(request: Request) -> None:
+    def has_api_key(request: Request) -> bool:
         if config.api_key is None:
-            return
+            return True
         auth = request.headers.get("authorization", "")
         scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(),
-                                                                      config.api_key.encode()):
+        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(),
+                                                                     config.api_key.encode())
+
+    def check_api_key(request: Request) -> None:
+        if not has_api_key(request):
             raise Unauthorized("invalid or missing API key (Authorization: Bearer ...)")
 
     async def handle(endpoint: str, request: Request,
@@ -121,7 +127,7 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
         body = None
         try:
             # The body is read before the disconnect watcher starts: both would receive().
-            body = await read_body(request, config.max_body_bytes, admission)
+            body = await bodies.read(request)
             prepared = await run_until_disconnect(request, prepare(body, arrival))
             if config.enable_log_requests:
                 logger.info("request %s (%s): %d prompt tokens, %d choices, stream %s",
@@ -129,7 +135,7 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
                             len(prepared.choices), prepared.stream)
         except HTTPError as e:
             metrics.count_request(endpoint, e.status)
-            return error_response(e)
+            return error_response(e, close=body is None)
         except ClientGone:
             metrics.count_request(endpoint, 499)
             return Response(status_code=499)
@@ -169,9 +175,17 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
         return ModelList(data=cards).model_dump()
 
     @app.get("/health")
-    async def health() -> JSONResponse:
+    async def health(request: Request) -> JSONResponse:
         engines_health = await engines.health()
         dead = [e for e in engines_health if not e["ok"]]
+        status = 503 if dead or not engines_health else 200
+        if not has_api_key(request):
+            # probes need no key, but engine addresses and failure details are for key holders
+            body = {"status": "ok" if status == 200 else "unhealthy"}
+            if status != 200:
+                body["reason"] = (f"{len(dead)} of {len(engines_health)} engines unavailable"
+                                  if engines_health else "no engine is configured")
+            return JSONResponse(body, status_code=status)
         if not engines_health:
             return JSONResponse({"status": "unhealthy", "reason": "no engine is configured",
                                  "engines": []}, status_code=503)
@@ -181,7 +195,9 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
                                  "engines": engines_health}, status_code=503)
         return JSONResponse({"status": "ok", "engines": engines_health})
 
-    @app.get("/metrics")
+    metrics_auth = [] if config.allow_unauthenticated_metrics else [Depends(check_api_key)]
+
+    @app.get("/metrics", dependencies=metrics_auth)
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
 

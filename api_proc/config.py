@@ -15,6 +15,7 @@ from shared.config_args import add_dataclass_args, dataclass_from_args, opt, par
 from shared.model_config import ImageProcessorConfig, load_model_config
 from shared.sampling_params import MAX_LOGPROBS
 
+KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
 # Qwen's `<tool_call>` JSON (api_proc/tool_parser.py); vLLM names it after the Hermes models
@@ -121,7 +122,10 @@ class ApiConfig:
     port: int = opt(8000, "port to listen on")
     served_model_name: tuple[str, ...] = opt(
         (), "model ids clients may use, the first one in responses (default: the folder's name)")
-    api_key: str | None = opt(None, "require 'Authorization: Bearer KEY' on /v1 routes")
+    api_key: str | None = opt(None, "require 'Authorization: Bearer KEY' on /v1 routes and "
+                                    "/metrics (/health answers without it, status only)")
+    allow_unauthenticated_metrics: bool = opt(
+        False, "with --api-key: serve /metrics without the key (a scraper that holds none)")
     root_path: str = opt("", "the path prefix a proxy serves this API under (FastAPI's "
                              "root_path): both /PREFIX/v1/... and /v1/... are served")
     allowed_origins: tuple[str, ...] = opt(
@@ -152,6 +156,19 @@ class ApiConfig:
     max_image_pixels: int = opt(40_000_000, "most pixels an image header may declare")
     max_image_bytes: int = opt(20 * MiB, "most encoded bytes per image")
     max_body_bytes: int = opt(200 * MiB, "most bytes in one HTTP request body")
+    shutdown_timeout_s: float = opt(
+        30.0, "on SIGTERM/SIGINT: seconds the requests in flight may take to finish (no new "
+        "ones are accepted); those still running then end with an error", aliases=(
+            "--shutdown-timeout",))
+    max_header_bytes: int = opt(64 * KiB, "most bytes in a request's line and headers (431 "
+                                          "past it)")
+    body_read_timeout_s: float = opt(60.0, "seconds a request body may take to arrive, not "
+                                           "counting waits for budget (408 past it)")
+    max_unread_bodies: int = opt(64, "most request bodies being received at once; more wait "
+                                     "for a turn (429 after --body-read-timeout-s)")
+    header_read_timeout_s: float = opt(10.0, "seconds a request's line and headers may take "
+                                             "to arrive (408 past it, and the connection "
+                                             "closes)")
     mm_inflight_budget: int = opt(
         2 * GiB, "most image bytes in flight: request bodies, decoding and resizing, and "
         "resized pixels until their engine has prefilled them")
@@ -216,6 +233,9 @@ class ApiConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (use None to disable)")
+        if self.allow_unauthenticated_metrics and self.api_key is None:
+            raise ValueError("allow_unauthenticated_metrics applies with api_key only "
+                             "(without one every route is open)")
         if self.root_path and (not self.root_path.startswith("/") or self.root_path == "/"
                                or self.root_path.endswith("/")):
             raise ValueError(f"root_path must look like /prefix, got {self.root_path!r}")
@@ -230,10 +250,14 @@ class ApiConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")
         for name in ("max_image_pixels", "max_image_bytes", "max_body_bytes",
-                     "mm_inflight_budget", "max_n"):
+                     "max_header_bytes", "max_unread_bodies", "mm_inflight_budget", "max_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("admission_timeout_s", "media_fetch_timeout_s"):
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"shutdown_timeout_s must not be negative, got "
+                             f"{self.shutdown_timeout_s}")
+        for name in ("admission_timeout_s", "media_fetch_timeout_s", "header_read_timeout_s",
+                     "body_read_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.allowed_media_domains is not None:

@@ -286,6 +286,7 @@ class EngineConnection:
             self._reasons_logged.add(reason)
             logger.warning("engine %s unavailable: %s", self.address, reason)
         self.lost_reason = reason
+        self.stats = None  # its gauges must not show it busy; the next answer brings fresh ones
         self.encoder_keys.clear()  # the engine that answers next may be a fresh one
         self._ready.clear()
         self._unanswered_since = None
@@ -321,6 +322,7 @@ class EngineClient:
         self._rr = itertools.count()
         self._room_freed = asyncio.Event()
         self._num_waiting_for_room = 0
+        self._stopping: str | None = None
         for engine in self.engines:
             engine.on_request_end = self._request_ended
 
@@ -349,9 +351,25 @@ class EngineClient:
     def num_in_flight(self) -> int:
         return sum(len(e.streams) for e in self.engines)
 
+    def abort_all(self, reason: str) -> int:
+        """Shutting down: fail every request in flight with 503 `reason` and abort it in its
+        engine; refuse new ones from now on. How many there were."""
+        self._stopping = reason
+        num_aborted = 0
+        for engine in self.engines:
+            streams = list(engine.streams.values())
+            for stream in streams:
+                stream._fail(EngineUnavailable(reason, code="server_shutting_down"))
+            if streams:
+                engine.send(AbortRequests([s.request_id for s in streams]))
+            num_aborted += len(streams)
+        return num_aborted
+
     def pick(self) -> EngineConnection:
         """The usable engine with room and the least outstanding work (tokens, then
         requests, then round robin); 503 when none is usable."""
+        if self._stopping is not None:
+            raise EngineUnavailable(self._stopping, code="server_shutting_down")
         if not self.engines:
             raise EngineUnavailable("no engine is configured")
         rr, n = next(self._rr), len(self.engines)

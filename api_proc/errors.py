@@ -1,7 +1,7 @@
 """OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the right status.
 
-400 bad input, 401 bad API key, 404 unknown model or route, 413 too large, 429 over budget,
-503 no engine. 500 only for bugs. Messages never carry request payloads (R1): an error
+400 bad input, 401 bad API key, 404 unknown model or route, 408 body too slow, 413 too large,
+415 not JSON, 429 over budget, 503 no engine. 500 only for bugs. Messages never carry request payloads (R1): an error
 built from a validation failure keeps the field path, never the input value.
 """
 
@@ -52,9 +52,20 @@ class NotFound(HTTPError):
     type = "not_found_error"
 
 
+class RequestTimeout(HTTPError):
+    status = 408
+    type = "invalid_request_error"
+
+
 class PayloadTooLarge(HTTPError):
     status = 413
     type = "request_too_large"
+
+
+class UnsupportedMediaType(HTTPError):
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_media_type"
 
 
 class OverBudget(HTTPError):
@@ -76,8 +87,10 @@ class EngineFailed(HTTPError):
     type = "engine_error"
 
 
-def error_response(err: HTTPError) -> JSONResponse:
-    return JSONResponse(err.to_dict(), status_code=err.status)
+def error_response(err: HTTPError, *, close: bool = False) -> JSONResponse:
+    """`close`: the request's body was not read to its end, so the connection ends here."""
+    headers = {"connection": "close"} if close else None
+    return JSONResponse(err.to_dict(), status_code=err.status, headers=headers)
 
 
 def format_validation_errors(errors: list[dict]) -> str:

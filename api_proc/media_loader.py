@@ -41,6 +41,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from api_proc.config import ApiConfig
 from api_proc.errors import BadRequest, PayloadTooLarge
+from api_proc.media_url import parse_http_url
 from shared.image_key import encoded_key
 from shared.image_resize import resize_image, smart_resize
 from shared.messages import ImageInput
@@ -314,8 +315,11 @@ class MediaLoader:
             if root is None:
                 raise BadRequest("file:// image URLs are disabled (no "
                                       "allowed_local_media_path)", param="image_url")
-            parts = urlsplit(url)
-            if parts.netloc not in ("", "localhost"):
+            try:
+                parts = urlsplit(url)
+            except ValueError:
+                parts = None
+            if parts is None or parts.netloc not in ("", "localhost"):
                 raise BadRequest("file:// image URLs must name a local path",
                                       param="image_url")
             return await self._run(read_local_file, unquote(parts.path), root, max_bytes)
@@ -373,16 +377,13 @@ class MediaLoader:
             return await asyncio.wait_for(self._follow(url), timeout)
         except asyncio.TimeoutError:
             message = f"fetching the image took longer than media_fetch_timeout_s={timeout:g}"
-        except httpx.HTTPError as e:
-            message = f"fetching the image failed: {type(e).__name__}"
+        except httpx.HTTPError as e:  # the text names the part (e.g. a malformed location)
+            message = f"fetching the image failed: {type(e).__name__}: {str(e)[:200]}"
         raise BadRequest(message, param="image_url", code="media_fetch_failed")
 
     async def _follow(self, url: str) -> bytes:
-        for _ in range(MAX_REDIRECTS + 1):
-            target = httpx.URL(url)
-            if target.scheme not in ("http", "https") or not target.host:
-                raise BadRequest("image URL redirected to a non-http(s) URL",
-                                      param="image_url")
+        for hop in range(MAX_REDIRECTS + 1):
+            target = parse_http_url(url, "image URL redirect" if hop else "image URL")
             self._check_host(target.host)
             port = target.port or (443 if target.scheme == "https" else 80)
             ip = await self._resolve(target.host, port)

@@ -95,6 +95,8 @@ class Metrics:
         self.image_resubmits = Counter(
             "flatserve_image_resubmits", "Requests sent again with pixels: the engine had "
             "evicted an image sent without them", registry=r)
+        self.engine_restarts = Counter(
+            "flatserve_engine_restarts", "Engines spawned again after they died", registry=r)
         r.register(EngineStatsCollector(engine_stats, model_name))
 
     def count_request(self, endpoint: str, status: int) -> None:

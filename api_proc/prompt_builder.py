@@ -28,6 +28,7 @@ from shared.model_config import ModelConfig, load_model_config
 
 logger = logging.getLogger(__name__)
 
+LONG_TEXT_CHARS = 16_384  # longer prompts are templated and tokenized off the event loop
 TOOL_TEMPLATE = Path(__file__).resolve().parents[1] / "shared" / "data" / "qwen_tool_chat_template.jinja"
 
 
@@ -90,6 +91,18 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
     return out
 
 
+def text_chars(messages: list[dict]) -> int:
+    """Characters of text in template messages (what the prompt holds at least)."""
+    total = 0
+    for m in messages:
+        content = m["content"]
+        if isinstance(content, str):
+            total += len(content)
+        else:
+            total += sum(len(part.get("text") or "") for part in content)
+    return total
+
+
 def _has_tool_turns(messages: list[dict]) -> bool:
     return any(m["role"] == "tool" or "tool_calls" in m for m in messages)
 
@@ -118,6 +131,12 @@ class PromptBuilder:
         self.merge_size = model_config.image.merge_size
         self.vocab_size = max(model_config.text.vocab_size, self.tokenizer.get_vocab_size())
         self.max_model_len = max_model_len or model_config.text.max_position_embeddings
+        # No token covers more bytes than the longest vocabulary entry (byte-level BPE writes
+        # one character per byte), and no character is less than a byte; twice that for what
+        # Unicode normalization can merge. Text longer than this cannot fit max_model_len,
+        # whatever it says: refused before the tokenizer spends time and memory on it.
+        longest = max(len(t) for t in self.tokenizer.get_vocab(with_added_tokens=True))
+        self.max_prompt_chars = 2 * longest * self.max_model_len
 
     @property
     def decoder_with_specials(self) -> TokenDecoder:
@@ -157,9 +176,21 @@ class PromptBuilder:
             message = f"chat template refused the messages: {e}"
         raise BadRequest(message, param="messages")
 
+    def check_prompt_chars(self, num_chars: int, param: str) -> None:
+        """400 at once for text that cannot fit max_model_len (see max_prompt_chars)."""
+        if num_chars > self.max_prompt_chars:
+            raise BadRequest(f"the prompt has {num_chars} characters, more than "
+                             f"{self.max_model_len} tokens (max_model_len) can hold",
+                             param=param, code="context_length_exceeded")
+
     def encode(self, text: str) -> list[int]:
+        self.check_prompt_chars(len(text), "messages")
         try:
-            return self.tokenizer.encode(text, add_special_tokens=False).ids
+            if len(text) <= LONG_TEXT_CHARS:
+                return self.tokenizer.encode(text, add_special_tokens=False).ids
+            # encode() holds the GIL for the whole text; encode_batch lets it go, so the
+            # event loop runs while a worker thread tokenizes a long prompt
+            return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
         except Exception as e:  # the tokenizer refuses the text: bad input, not a bug
             message = f"prompt text cannot be tokenized: {type(e).__name__}"
         raise BadRequest(message, param="messages")

@@ -1,14 +1,17 @@
-"""Reading a request body: refused at max_body_bytes, and admitted by bytes before it is
-read when it is large (R4); the pipeline takes the bytes out of the holder (R1)."""
+"""Reading a request body: JSON only, refused at max_body_bytes, bounded in time and in the
+number read at once, and admitted by bytes as it arrives when it is large (R4); the
+pipeline takes the bytes out of the holder (R1)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Awaitable, Callable
 
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 
 from api_proc.admission import AdmissionController, Reservation
-from api_proc.errors import PayloadTooLarge
+from api_proc.errors import OverBudget, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
 
 
 class ClientGone(Exception):
@@ -51,42 +54,117 @@ BODY_ADMISSION_MIN_BYTES = 64 << 10
 BODY_COPIES = 2
 
 
-async def read_body(request: Request, limit: int, admission: AdmissionController
-                    ) -> RequestBody:
-    """The request body, refused with 413 as soon as it passes `limit` bytes. A large body
-    is admitted before it is read (R4): its declared length up front, an undeclared one in
-    doubling steps as it arrives. Until admitted, its bytes stay in the socket buffers."""
-    declared = request.headers.get("content-length")
-    size_hint = int(declared) if declared is not None and declared.isdigit() else None
-    if size_hint is not None and size_hint > limit:
-        raise PayloadTooLarge(f"request body is larger than max_body_bytes={limit}",
-                                   code="body_too_large")
-    budget = admission.budget_bytes
-    reservation = None
-    if size_hint is not None and size_hint >= BODY_ADMISSION_MIN_BYTES:
-        reservation = await admission.acquire(min(BODY_COPIES * size_hint, budget))
-    chunks: list[bytes] = []
-    size = 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise PayloadTooLarge(f"request body is larger than max_body_bytes={limit}",
-                                           code="body_too_large")
-            chunks.append(chunk)
-            if size_hint is None and size >= BODY_ADMISSION_MIN_BYTES:
-                held = reservation.nbytes if reservation is not None else 0
-                if held < min(BODY_COPIES * size, budget):
-                    more = await admission.acquire(min(max(2 * held, BODY_COPIES * size),
-                                                       budget) - held)
-                    if reservation is None:
-                        reservation = more
-                    else:
-                        reservation.absorb(more)
-    except BaseException as e:
-        if reservation is not None:
-            reservation.release()
-        if isinstance(e, ClientDisconnect):
-            raise ClientGone() from None
-        raise
-    return RequestBody(chunks[0] if len(chunks) == 1 else b"".join(chunks), reservation)
+def require_json(content_type: str | None) -> None:
+    """415 unless the body is declared as JSON. A web page can send text/plain (or no type)
+    to any server without a CORS preflight; only a page the CORS settings allow can send
+    application/json, so a keyless local server runs nothing a foreign page asks for."""
+    media_type = (content_type or "").partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        shown = repr(content_type) if content_type else "none"
+        raise UnsupportedMediaType(f"Content-Type must be application/json, got {shown}")
+
+
+class BodyReader:
+    """Reads request bodies within three bounds: at most `max_unread` bodies are being
+    received at once (others wait for a turn, 429 after `timeout_s`); a body's bytes must
+    all arrive within `timeout_s` of reading (waits for budget not counted; 408 past it);
+    and a large body holds admission bytes for what has arrived, never for what its
+    Content-Length declares, so a client that sends headers and no body holds nothing (R4).
+    """
+
+    def __init__(self, limit: int, admission: AdmissionController, timeout_s: float,
+                 max_unread: int):
+        self.limit = limit
+        self.admission = admission
+        self.timeout_s = timeout_s
+        self.max_unread = max_unread
+        self._turns = asyncio.Semaphore(max_unread)
+        self.num_unread = 0  # bodies being received now
+        self.num_waiting = 0  # requests waiting for their turn
+
+    async def read(self, request: Request) -> RequestBody:
+        """The request body, refused with 415 unless it is declared as JSON and with 413 as
+        soon as it passes `limit` bytes."""
+        require_json(request.headers.get("content-type"))
+        declared = request.headers.get("content-length")
+        size_hint = int(declared) if declared is not None and declared.isdigit() else None
+        if size_hint is not None and size_hint > self.limit:
+            raise self._too_large()
+        await self._take_turn()
+        self.num_unread += 1
+        try:
+            return await self._receive(request.receive, size_hint)
+        finally:
+            self.num_unread -= 1
+            self._turns.release()
+
+    async def _take_turn(self) -> None:
+        if not self._turns.locked():
+            await self._turns.acquire()  # free: returns at once
+            return
+        self.num_waiting += 1
+        try:
+            await asyncio.wait_for(self._turns.acquire(), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise OverBudget(f"{self.max_unread} request bodies are being received (the most "
+                             f"max_unread_bodies allows) and none finished within "
+                             f"{self.timeout_s:g} s; retry later",
+                             code="too_many_unread_bodies") from None
+        finally:
+            self.num_waiting -= 1
+
+    async def _receive(self, receive: Callable[[], Awaitable[dict]],
+                       size_hint: int | None) -> RequestBody:
+        budget = self.admission.budget_bytes
+        cap = budget if size_hint is None else min(BODY_COPIES * size_hint, budget)
+        left_s = self.timeout_s
+        reservation = None
+        chunks: list[bytes] = []
+        size = 0
+        more = True
+        try:
+            while more:
+                started = time.monotonic()
+                message = await self._next_message(receive, left_s)
+                left_s -= time.monotonic() - started
+                chunk, more = message.get("body", b""), message.get("more_body", False)
+                size += len(chunk)
+                if size > self.limit:
+                    raise self._too_large()
+                if chunk:
+                    chunks.append(chunk)
+                if size >= BODY_ADMISSION_MIN_BYTES:
+                    reservation = await self._admit(reservation, size, cap)
+        except BaseException:
+            if reservation is not None:
+                reservation.release()
+            raise
+        return RequestBody(chunks[0] if len(chunks) == 1 else b"".join(chunks), reservation)
+
+    async def _next_message(self, receive: Callable[[], Awaitable[dict]], left_s: float) -> dict:
+        try:
+            message = await asyncio.wait_for(receive(), max(left_s, 0.0))
+        except asyncio.TimeoutError:
+            raise RequestTimeout(f"the request body did not arrive within "
+                                 f"body_read_timeout_s={self.timeout_s:g}",
+                                 code="body_timeout") from None
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        return message
+
+    async def _admit(self, reservation: Reservation | None, size: int, cap: int) -> Reservation:
+        """Hold BODY_COPIES x the bytes that have arrived, growing in doubling steps up to
+        `cap`; until admitted the rest of the body stays in the socket buffers."""
+        held = reservation.nbytes if reservation is not None else 0
+        need = min(BODY_COPIES * size, self.admission.budget_bytes)
+        if held >= need:
+            return reservation
+        more = await self.admission.acquire(max(need, min(2 * held, cap)) - held)
+        if reservation is None:
+            return more
+        reservation.absorb(more)
+        return reservation
+
+    def _too_large(self) -> PayloadTooLarge:
+        return PayloadTooLarge(f"request body is larger than max_body_bytes={self.limit}",
+                               code="body_too_large")

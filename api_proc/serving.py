@@ -40,7 +40,7 @@ from api_proc.errors import (
 from api_proc.image_resubmit import KeptImages, ResubmittingStream
 from api_proc.media_loader import EncodedImage, MediaLoader, MediaRef
 from api_proc.metrics import Metrics
-from api_proc.prompt_builder import PromptBuilder, template_messages
+from api_proc.prompt_builder import LONG_TEXT_CHARS, PromptBuilder, template_messages, text_chars
 from api_proc.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -56,7 +56,6 @@ from shared.messages import AddRequest, ImageInput
 from shared.sampling_params import SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-OFFLOAD_TEXT_CHARS = 16_384  # longer prompts are templated and tokenized off the event loop
 
 
 @dataclass(eq=False)
@@ -222,6 +221,8 @@ class Serving:
                                   f"limit_mm_per_prompt={self.config.limit_mm_per_prompt}",
                                   param="messages", code="too_many_images")
         messages = template_messages(req.messages)
+        num_chars = text_chars(messages)
+        self.builder.check_prompt_chars(num_chars, "messages")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         template_kwargs = {**self.config.template_defaults, **(req.chat_template_kwargs or {})}
         requested = req.requested_max_tokens
@@ -234,7 +235,7 @@ class Serving:
         refs = None
         grids = [e.grid_thw for e in encoded]
         build = functools.partial(self._chat_prompt, messages, grids, tools, template_kwargs)
-        if sum(len(str(m["content"])) for m in messages) > OFFLOAD_TEXT_CHARS:
+        if num_chars > LONG_TEXT_CHARS:
             prompt_ids, prompt_end = await asyncio.to_thread(build)
         else:
             prompt_ids, prompt_end = build()
@@ -271,7 +272,14 @@ class Serving:
         settings = _RequestSettings.of(req)
         echo = req.echo
         req = None
-        ids_per_prompt = [self.builder.build_completion(p) for p in prompts]
+        for p in prompts:
+            if isinstance(p, str):
+                self.builder.check_prompt_chars(len(p), "prompt")
+        if sum(len(p) for p in prompts if isinstance(p, str)) > LONG_TEXT_CHARS:
+            ids_per_prompt = await asyncio.to_thread(
+                lambda: [self.builder.build_completion(p) for p in prompts])
+        else:
+            ids_per_prompt = [self.builder.build_completion(p) for p in prompts]
         for ids in ids_per_prompt:
             if not ids:
                 raise BadRequest("prompt is empty", param="prompt")
@@ -321,32 +329,34 @@ class Serving:
         the caller releases it on every other path)."""
         # 503 now, before any pixel is decoded, when no engine is up; wait while all are full
         await self.engines.wait_for_room(self.config.admission_timeout_s)
-        reservation = None
+        reservation = kept = None
         if encoded:
             # every choice after the first sends its own copy of the pixels to an engine
             per_request = sum(e.resized_bytes for e in encoded)
+            # the same whether images are skipped or not: kept encoded bytes are the bytes
+            # decoding counts as its input, not a second copy (a cache hit needs no more)
             need = sum(e.need_bytes for e in encoded) + (len(prompt_ids) - 1) * per_request
-            if any(c.holds_image(e.key) for c in self.engines.engines for e in encoded):
-                need += sum(e.nbytes for e in encoded)  # KeptImages: the bytes outlive decoding
             if held is not None and held.nbytes:
                 reservation = await self.admission.exchange(held, need)
             else:
                 reservation = await self.admission.acquire(need)
+            if any(c.holds_image(e.key) for c in self.engines.engines for e in encoded):
+                # before decoding takes the bytes; held by this call until it has submitted
+                kept = KeptImages([dataclasses.replace(e) for e in encoded],
+                                  reservation.split(sum(e.nbytes for e in encoded)))
+                kept.hold()
         held = None
         try:
             streams: list[RequestStream | ResubmittingStream] = []
             try:
                 images: list[ImageInput | None] = [None] * len(encoded)  # decoded when needed
-                kept = None
                 for i, (ids, params) in enumerate(zip(prompt_ids, sampling, strict=True)):
                     engine = self.engines.pick()
-                    skip = [engine.holds_image(e.key) for e in encoded]
-                    if any(skip) and kept is None:  # before decoding takes the bytes
-                        kept = KeptImages([dataclasses.replace(e) for e in encoded],
-                                          reservation.split(sum(e.nbytes for e in encoded)))
+                    skip = [kept is not None and engine.holds_image(e.key) for e in encoded]
                     todo = [j for j, s in enumerate(skip) if not s and images[j] is None]
                     if todo:
-                        decoded = await self._decode([encoded[j] for j in todo], reservation)
+                        decoded = await self._decode([encoded[j] for j in todo], reservation,
+                                                     kept is not None)
                         for j, image in zip(todo, decoded, strict=True):
                             images[j] = image
                         decoded = None
@@ -365,13 +375,16 @@ class Serving:
                         stream = ResubmittingStream(stream, kept, functools.partial(
                             self._resubmit, request_id, ids, params))
                     streams.append(stream)
-                images = encoded = kept = None  # R1: the engines and KeptImages hold them
+                images = encoded = None  # R1: the engines and KeptImages hold them
             except BaseException:
                 for s in streams:
                     await s.aclose()
                 raise
             return streams
         finally:
+            if kept is not None:
+                kept.release()  # the streams sent without pixels hold it now, if any
+                kept = None
             if reservation is not None:
                 reservation.release()
 
@@ -396,11 +409,13 @@ class Serving:
         finally:
             reservation.release()
 
-    async def _decode(self, encoded: list[EncodedImage], reservation: Reservation
-                      ) -> list[ImageInput]:
+    async def _decode(self, encoded: list[EncodedImage], reservation: Reservation,
+                      bytes_kept: bool = False) -> list[ImageInput]:
+        """`bytes_kept`: KeptImages holds the encoded bytes (and their budget) on."""
         async def one(image: EncodedImage) -> ImageInput:
             result = await self.loader.decode(image)
-            reservation.release(image.need_bytes - image.resized_bytes)  # decoding is over
+            done = image.need_bytes - image.resized_bytes  # decoding is over
+            reservation.release(done - image.nbytes if bytes_kept else done)
             return result
 
         work = asyncio.ensure_future(_settle([one(e) for e in encoded]))

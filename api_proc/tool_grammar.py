@@ -12,7 +12,7 @@ parameter is raw text, the others JSON).
               the functions and its arguments follow that function's schema (every
               function's, strict or not: one grammar serves them all)
 
-Built here as JSON, compiled in the engine (engine_proc/structured_output.py): the API
+Built here as JSON, compiled in the engine (engine_proc/grammar_worker.py): the API
 process never imports xgrammar (it pulls in torch).
 """
 

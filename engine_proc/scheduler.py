@@ -301,9 +301,10 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             if preempted and self.running:
                 break
-            seq = self.waiting[0]
-            if seq.grammar_future is not None:
-                break  # its grammar is still compiling (FIFO: the queue waits a step or two)
+            # FIFO, except that a request whose grammar is still compiling holds no one back
+            seq = next((s for s in self.waiting if s.grammar_future is None), None)
+            if seq is None:
+                break
             cached = self.block_manager.find_cached_blocks(seq)
             snapshot = None
             if self.snapshots is not None:
@@ -319,7 +320,7 @@ class Scheduler:
                 # runs in this step (an image that starts inside the cached prefix)
                 if not num_new and not any(image is encoder.stage for image in seq.images):
                     break  # its first image waits for the next step's encoder budget (FIFO)
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self.block_manager.allocate(seq, num_tokens, cached)
             self._admit(seq, num_cached_tokens)
             if snapshot is not None:

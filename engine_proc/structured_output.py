@@ -1,75 +1,144 @@
 """Structured outputs: JSON (a schema, or any object), a regex, a choice of strings, an
 EBNF grammar, or a structural tag (tool calls), enforced token by token with xgrammar.
 
-A request's grammar is compiled in a worker thread (xgrammar itself is imported there, on
-first use: requests without a grammar never pay for it), in a compiler whose cache of
-compiled grammars is bounded in bytes. The scheduler admits the request once its grammar is
-ready. Each step, the sampled rows that have a grammar get their allowed-token bitmask,
-filled for all of them in one call (xgrammar's batch matcher, threaded in C++), and the
-sampler masks their logits before anything else touches them; after the step each matcher
-accepts its sampled token. A matcher that has reached the end of its grammar ends its
-request ("stop"). A preempted request keeps its matcher: its generated tokens stay, only
-their KV is recomputed.
+Grammars compile one at a time, in arrival order, in a compiler process of their own
+(grammar_worker.py; started on first use: requests without a grammar never pay for it);
+the compiled grammars kept for reuse, here and there, are bounded in bytes. A thread here hands each one over and
+reads the compiled grammar back. Each request has a budget: a spec of at most
+`max_spec_bytes`, compiled within `timeout_s` into at most `max_compiled_bytes`; past it the
+request fails with the reason (the API answers 400). A compile past its time, or whose
+request is aborted, is stopped by ending the compiler process (a thread cannot stop one),
+and the next grammar starts a fresh one. The engine admits a request once its grammar is
+ready, so a slow one holds no other request back.
+
+Each step, the sampled rows that have a grammar get their allowed-token bitmask, filled for
+all of them in one call (xgrammar's batch matcher, threaded in C++), and the sampler masks
+their logits before anything else touches them; after the step each matcher accepts its
+sampled token. A matcher that has reached the end of its grammar ends its request ("stop").
+A preempted request keeps its matcher: its generated tokens stay, only their KV is
+recomputed.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+import queue
+import select
+import subprocess
+import sys
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
-from shared.sampling_params import MAX_JSON_WHITESPACE
+from engine_proc.grammar_worker import load_xgrammar
 
 logger = logging.getLogger(__name__)
 
 GRAMMAR_CACHE_BYTES = 64 << 20  # compiled grammars kept for reuse
-
-
-# xgrammar 0.2.8 writes a string with minLength/maxLength as a run of _LOOSE_CHARACTER, which
-# lets a raw control character through: invalid JSON (json.loads refuses it). Its other
-# string rules use _JSON_CHARACTER, which also leaves out \0-\x1f (\r and \n among them).
-_LOOSE_CHARACTER = r'[^\"\\\r\n]'
-_JSON_CHARACTER = r'[^\0-\x1f\"\\]'
-
-
-def _json_strings_without_controls(ebnf: str) -> str:
-    return ebnf.replace(_LOOSE_CHARACTER, _JSON_CHARACTER)
+COMPILE_TIMEOUT_S = 10.0  # one request's grammar
+MAX_SPEC_BYTES = 128 << 10  # one request's schema, regex, choices or grammar
+MAX_COMPILED_BYTES = 64 << 20  # one request's compiled grammar
+_POLL_S = 0.05  # how often a running compile checks whether its request went away
 
 
 class GrammarError(ValueError):
-    """The grammar of a request cannot be compiled (bad schema, regex or EBNF)."""
+    """The grammar of a request cannot be compiled (bad schema, regex or EBNF), or not
+    within its budget."""
 
 
-def _import_xgrammar():
-    # xgrammar imports triton when it is installed; the bitmask is applied by its CPU
-    # kernel or torch, so a CPU-only setup without triton works the same
-    import xgrammar
+class _Compile(Future):
+    """A grammar to compile; cancel() stops it even while it runs."""
 
-    return xgrammar
+    def __init__(self, kind: str, spec: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.spec = spec
+        self.abandoned = threading.Event()
+
+    def cancel(self) -> bool:
+        self.abandoned.set()
+        return super().cancel()
+
+
+class _CompilerProcess:
+    """grammar_worker.py in a child process."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "engine_proc.grammar_worker", *args],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.stdout = self.process.stdout
+
+    def readline(self, deadline: float, abandoned: threading.Event) -> bytes | None:
+        """One line, or None when `deadline` passes or `abandoned` is set first."""
+        while not abandoned.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            ready, _, _ = select.select([self.stdout], [], [], min(left, _POLL_S))
+            if ready:
+                line = self.stdout.readline()
+                if not line:
+                    raise GrammarError("the grammar compiler exited")
+                return line
+        return None
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        for pipe in (self.process.stdin, self.process.stdout):
+            pipe.close()
 
 
 class StructuredOutputs:
     """Compiles grammars off the engine loop and fills the step's token bitmasks."""
 
     def __init__(self, tokenizer_dir: str, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 cache_bytes: int = GRAMMAR_CACHE_BYTES) -> None:
+                 cache_bytes: int = GRAMMAR_CACHE_BYTES, *,
+                 timeout_s: float = COMPILE_TIMEOUT_S, max_spec_bytes: int = MAX_SPEC_BYTES,
+                 max_compiled_bytes: int = MAX_COMPILED_BYTES) -> None:
         self.tokenizer_dir = tokenizer_dir
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.cache_bytes = cache_bytes
-        self._executor: ThreadPoolExecutor | None = None
-        self._compiler: Any = None  # made in the worker thread on first use
+        self.timeout_s = timeout_s
+        self.max_spec_bytes = max_spec_bytes
+        self.max_compiled_bytes = max_compiled_bytes
+        self._jobs: queue.SimpleQueue[_Compile] = queue.SimpleQueue()
+        # compiled grammars by (kind, spec), least recently used first: a repeated schema
+        # neither compiles nor crosses from the compiler process again
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._cache_size = 0
+        self._thread: threading.Thread | None = None
+        self._compiler: _CompilerProcess | None = None
+        self._info: Any = None  # xgrammar's tokenizer info, made in the thread on first use
         self._batch: Any = None
         self._xgr: Any = None
 
     def compile(self, kind: str, spec: str) -> Future:
         """A future of the compiled grammar; its exception is a GrammarError."""
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="flatserve-grammar")
-        return self._executor.submit(self._compile, kind, spec)
+        job = _Compile(kind, spec)
+        if len(spec.encode()) > self.max_spec_bytes:
+            job.set_exception(GrammarError(
+                f"the {kind} constraint is {len(spec.encode())} bytes, more than the "
+                f"{self.max_spec_bytes} a request may use"))
+            return job
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="flatserve-grammar",
+                                            daemon=True)
+            self._thread.start()
+        self._jobs.put(job)
+        return job
+
+    @property
+    def compiler_pid(self) -> int | None:
+        """The compiler process's pid, while there is one."""
+        return None if self._compiler is None else self._compiler.process.pid
 
     def matcher(self, compiled: Any) -> Any:
         return self._xgr.GrammarMatcher(compiled)
@@ -88,40 +157,68 @@ class StructuredOutputs:
 
     # ---- the worker thread -----------------------------------------------------------
 
-    def _setup(self) -> None:
-        from transformers import PreTrainedTokenizerFast
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if not job.set_running_or_notify_cancel():
+                continue  # its request went away while it waited
+            try:
+                if self._info is None:
+                    self._xgr, self._info = load_xgrammar(self.tokenizer_dir, self.vocab_size,
+                                                          self.eos_token_ids)
+                    self._batch = self._xgr.BatchGrammarMatcher()
+                compiled = self._cached(job)
+                if compiled is None:
+                    compiled = self._remember(job, self._compile(job))
+                job.set_result(compiled)
+                compiled = None
+            except Exception as e:  # noqa: BLE001 - the job's error is its request's
+                error = e if isinstance(e, GrammarError) else GrammarError(
+                    f"the grammar compiler failed: {type(e).__name__}: {e}")
+                job.set_exception(error)
 
-        xgr = _import_xgrammar()
-        tokenizer = PreTrainedTokenizerFast(tokenizer_file=f"{self.tokenizer_dir}/tokenizer.json")
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
-                                                  stop_token_ids=self.eos_token_ids)
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1,
-                                             cache_limit_bytes=self.cache_bytes)
-        self._batch = xgr.BatchGrammarMatcher()
-        self._xgr = xgr
-
-    def _compile(self, kind: str, spec: str) -> Any:
+    def _compile(self, job: _Compile) -> Any:
         if self._compiler is None:
-            self._setup()
+            self._compiler = _CompilerProcess([
+                self.tokenizer_dir, str(self.vocab_size), json.dumps(self.eos_token_ids),
+                str(self.cache_bytes), str(self.max_compiled_bytes)])
+            if self._compiler.readline(time.monotonic() + 300, job.abandoned) is None:
+                self._stop_compiler()
+                raise GrammarError("the grammar compiler did not start")
         compiler = self._compiler
-        try:
-            if kind in ("json", "json_object"):
-                schema = spec if kind == "json" else '{"type": "object"}'
-                grammar = self._xgr.Grammar.from_json_schema(
-                    schema, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE)
-                return compiler.compile_grammar(_json_strings_without_controls(str(grammar)))
-            if kind == "regex":
-                return compiler.compile_regex(spec)
-            if kind == "structural_tag":  # through EBNF text, for the same string fix
-                grammar = self._xgr.Grammar.from_structural_tag(spec)
-                return compiler.compile_grammar(_json_strings_without_controls(str(grammar)))
-            if kind == "choice":
-                choices = json.loads(spec)
-                ebnf = "root ::= " + " | ".join(json.dumps(c) for c in choices)
-                return compiler.compile_grammar(ebnf)
-            return compiler.compile_grammar(spec)
-        except Exception as exc:  # xgrammar raises RuntimeError/ValueError with the reason
-            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            what = "tools' parameters" if kind == "structural_tag" else f"{kind} constraint"
-            raise GrammarError(f"cannot compile the {what}: {message}") from None
+        compiler.process.stdin.write(json.dumps({"kind": job.kind, "spec": job.spec}).encode()
+                                     + b"\n")
+        compiler.process.stdin.flush()
+        header = compiler.readline(time.monotonic() + self.timeout_s, job.abandoned)
+        if header is None:
+            self._stop_compiler()  # the only way to stop a compile that runs on
+            if job.abandoned.is_set():
+                raise GrammarError("the request was aborted while its grammar compiled")
+            raise GrammarError(f"the {job.kind} constraint did not compile within "
+                               f"{self.timeout_s:g} s")
+        answer = json.loads(header)
+        if "error" in answer:
+            raise GrammarError(answer["error"])
+        data = compiler.stdout.read(answer["size"])
+        return self._xgr.CompiledGrammar.deserialize_json(data.decode(), self._info)
 
+    def _cached(self, job: _Compile) -> Any:
+        compiled = self._cache.get((job.kind, job.spec))
+        if compiled is not None:
+            self._cache.move_to_end((job.kind, job.spec))
+        return compiled
+
+    def _remember(self, job: _Compile, compiled: Any) -> Any:
+        size = compiled.memory_size_bytes
+        if size <= self.cache_bytes:
+            self._cache[job.kind, job.spec] = compiled
+            self._cache_size += size
+            while self._cache_size > self.cache_bytes:
+                _, old = self._cache.popitem(last=False)
+                self._cache_size -= old.memory_size_bytes
+        return compiled
+
+    def _stop_compiler(self) -> None:
+        compiler, self._compiler = self._compiler, None
+        if compiler is not None:
+            compiler.kill()

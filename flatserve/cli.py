@@ -10,7 +10,7 @@ import sys
 from dataclasses import fields, replace
 
 from api_proc.config import ApiConfig
-from flatserve.launcher import ENGINE_FLAGS
+from flatserve.launcher import DEFAULT_MAX_ENGINE_RESTARTS, ENGINE_FLAGS
 from flatserve.vllm_flags import add_vllm_flags
 from shared.config_args import add_dataclass_args
 from shared.engine_config import EngineConfig
@@ -27,6 +27,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                        "own on GPUs (engine e from cuda:e*tp), as --engines on a CPU")
     group.add_argument("--engine-start-timeout", type=float, default=600.0,
                        help="seconds each engine may take to load and report ready")
+    group.add_argument("--max-engine-restarts", type=int, default=None,
+                       help="an engine that dies is spawned again (its requests fail once), "
+                       "after a backoff that doubles from 0.5 s; this many failed tries in a "
+                       "row and the server exits with code 1 (0: never restarted; default "
+                       f"{DEFAULT_MAX_ENGINE_RESTARTS})")
     _add_engine_config_args(group, ENGINE_FLAGS)
     _add_short_tp_flag(group)
 

@@ -10,11 +10,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
 from api_proc.config import ApiConfig
 from api_proc.engine_client import EngineConnection
+from flatserve.engine_supervisor import EngineSupervisor
 from rpc.sockets import IpcDir
 from shared.engine_config import EngineConfig
 from shared.memory import (
@@ -52,6 +54,7 @@ ENGINE_FLAGS = (
     "state_snapshot_bytes",
 )
 DEFAULT_MAX_MODEL_LEN = 8192
+DEFAULT_MAX_ENGINE_RESTARTS = 5
 
 
 class EngineStartError(RuntimeError):
@@ -119,18 +122,57 @@ def start_engines(configs: list[EngineConfig], timeout_s: float = 600.0) -> list
     return handles
 
 
-def stop_engines(handles: list[SpawnedEngine], grace_s: float = 10.0) -> None:
+def restart_engine(dead: SpawnedEngine, timeout_s: float) -> SpawnedEngine:
+    """A new engine with `dead`'s settings, ready; EngineStartError when it is not."""
+    handle = spawn_engine(dead.config)
+    try:
+        asyncio.run(_wait_ready(handle, time.monotonic() + timeout_s))
+    except BaseException:
+        stop_engines([handle])
+        raise
+    return handle
+
+
+def kill_engines(handles: list[SpawnedEngine]) -> None:
     for handle in handles:
         if handle.alive:
-            handle.process.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for handle in handles:
-        try:
-            handle.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            logger.warning("engine %d did not stop in %.0fs; killing it", handle.config.rank, grace_s)
             handle.process.kill()
-            handle.process.wait()
+
+
+def stop_engines(handles: list[SpawnedEngine], grace_s: float = 10.0) -> None:
+    """SIGTERM every engine, SIGKILL those still there after `grace_s`. A SIGINT or SIGTERM
+    meanwhile (a second Ctrl-C) kills them at once: it never cuts the wait short and leaves
+    an engine behind."""
+    def escalate(signum, frame) -> None:
+        logger.warning("%s while stopping: killing the engines", signal.Signals(signum).name)
+        kill_engines(handles)
+
+    previous = _set_stop_handlers(escalate)
+    try:
+        for handle in handles:
+            if handle.alive:
+                handle.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for handle in handles:
+            try:
+                handle.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("engine %d did not stop in %.0fs; killing it",
+                               handle.config.rank, grace_s)
+                handle.process.kill()
+                handle.process.wait()
+    finally:
+        _set_stop_handlers(previous)
+
+
+def _set_stop_handlers(handlers) -> dict | None:
+    """Install `handlers` (one for both, or {signal: handler}) for SIGINT and SIGTERM; the
+    ones they replace. Only the main thread may: elsewhere nothing changes (None)."""
+    if handlers is None or threading.current_thread() is not threading.main_thread():
+        return None
+    if not isinstance(handlers, dict):
+        handlers = {signal.SIGINT: handlers, signal.SIGTERM: handlers}
+    return {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
 
 
 def _resolve_model(args: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
@@ -190,6 +232,8 @@ def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
     from api_proc.app import build_app
+    from api_proc.drain import DrainingServer
+    from api_proc.http_protocol import http_protocol
 
     set_process_title("flatserve: api")
     apply_malloc_settings(API_MALLOC_ENV)
@@ -225,6 +269,13 @@ def run_server(args: argparse.Namespace) -> int:
     spread = dp > 1
     if (tp > 1 or spread) and num_spawned and _on_gpu(args.device):
         _check_gpu_count(args.device, num_spawned * tp)
+    if args.engine_addresses and args.max_engine_restarts is not None:
+        raise SystemExit("flatserve serve: --max-engine-restarts applies to engines spawned "
+                         "here, and with --engine-addresses none is")
+    max_restarts = DEFAULT_MAX_ENGINE_RESTARTS if args.max_engine_restarts is None \
+        else args.max_engine_restarts
+    if max_restarts < 0:
+        raise SystemExit("flatserve serve: --max-engine-restarts must not be negative")
     ipc_dir = IpcDir(prefix="flatserve-")
     engine_kwargs = {name: getattr(args, name) for name in ENGINE_FLAGS}
     num_processes = num_spawned * tp  # each engine is tp processes, started by its rank 0
@@ -239,6 +290,7 @@ def run_server(args: argparse.Namespace) -> int:
     ]
     addresses = tuple(args.engine_addresses) or tuple(c.address for c in configs)
     handles = []
+    supervisor = None
     # uvicorn re-raises the SIGINT/SIGTERM it caught once it has shut down; with these
     # handlers that lands in the `except` below, so engines and socket files are cleaned up.
     signal.signal(signal.SIGTERM, _raise_stop)
@@ -258,19 +310,36 @@ def run_server(args: argparse.Namespace) -> int:
             logger.error("%s", exc)
             return 1
         app = build_app(config, engine_processes=[h.process for h in handles])
+        if handles and max_restarts:
+            supervisor = EngineSupervisor(
+                handles, app.state.engine_client.engines,
+                lambda dead: restart_engine(dead, args.engine_start_timeout), max_restarts,
+                on_restart=app.state.metrics.engine_restarts.inc,
+                is_stopping=lambda: server.should_exit,
+                give_up=lambda reason: setattr(server, "should_exit", True))
         logger.info("serving %s on %s://%s:%d (glibc: %s)", ", ".join(served_names),
                     config.scheme, config.host, config.port,
                     ", ".join(f"{k}={v}" for k, v in API_MALLOC_ENV.items()))
-        uvicorn.run(app, host=config.host, port=config.port, loop="uvloop", http="httptools",
-                    ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,
-                    ssl_ca_certs=config.ssl_ca_certs, ssl_cert_reqs=config.ssl_cert_reqs,
-                    log_level=args.uvicorn_log_level or args.log_level,
-                    access_log=not args.disable_uvicorn_access_log, timeout_graceful_shutdown=5)
-        return 0
+        server_config = uvicorn.Config(
+            app, host=config.host, port=config.port, loop="uvloop", http=http_protocol(config),
+            ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,
+            ssl_ca_certs=config.ssl_ca_certs, ssl_cert_reqs=config.ssl_cert_reqs,
+            log_level=args.uvicorn_log_level or args.log_level,
+            access_log=not args.disable_uvicorn_access_log)
+        server = DrainingServer(server_config, app.state.engine_client.abort_all,
+                                config.shutdown_timeout_s)
+        if supervisor is not None:
+            supervisor.start()
+        server.run()
+        return 1 if supervisor is not None and supervisor.gave_up else 0
     except _Stop as stop:
         logger.info("stopped by %s", stop)
         return 0
     finally:
-        stop_engines(handles)
-        ipc_dir.close()
+        try:
+            if supervisor is not None:
+                supervisor.stop()  # before the engines stop: none is restarted then
+            stop_engines(handles)
+        finally:
+            ipc_dir.close()
 

@@ -250,12 +250,17 @@ class AppServer:
     def __init__(self, app):
         import uvicorn
 
+        from api_proc.drain import DrainingServer
+        from api_proc.http_protocol import http_protocol
+
         self.app = app
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        api_config = app.state.config
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                lifespan="on", loop="asyncio")
-        self.server = uvicorn.Server(config)
+                                lifespan="on", loop="asyncio", http=http_protocol(api_config))
+        self.server = DrainingServer(config, app.state.engine_client.abort_all,
+                                     api_config.shutdown_timeout_s)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

@@ -208,6 +208,12 @@ def test_completions(server, engine_double, tiny_model_path):
         "url": "data:image/png;base64,aGVsbG8="}}]}]}, 400, "not a supported image"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
         "url": "http://127.0.0.1:1/x.png"}}]}]}, 400, "non-public"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "http://0177.0.0.1:8499/x.png"}}]}]}, 400, "image URL host: '0177.0.0.1'"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "http://[::1/x.png"}}]}]}, 400, "image URL host"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "http://a\x00b/x.png"}}]}]}, 400, "image URL host: control character"),
 ])
 def test_bad_requests_get_openai_errors(server, body, status, match):
     r = httpx.post(server.url + "/v1/chat/completions", json=body)
@@ -218,6 +224,26 @@ def test_malformed_json_is_400(server):
     r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json",
                    headers={"content-type": "application/json"})
     assert_error(r, 400, "invalid_request_error", "JSON")
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x", "application/jsonx"])
+def test_a_body_not_declared_as_json_is_415_and_runs_nothing(server, engine_double, path,
+                                                             content_type):
+    # what a foreign web page can send without a CORS preflight
+    prompt = {"prompt": "csrf"} if path == "/v1/completions" else {
+        "messages": [{"role": "user", "content": "csrf"}]}
+    body = json.dumps({**prompt, "max_tokens": 2})
+    headers = {"content-type": content_type} if content_type else {}
+    before = len(engine_double.log()["requests"])
+    r = httpx.post(server.url + path, content=body.encode(), headers=headers)
+    error = assert_error(r, 415, "invalid_request_error", "Content-Type must be application/json")
+    assert error.code == "unsupported_media_type"
+    assert len(engine_double.log()["requests"]) == before
+    ok = httpx.post(server.url + path, content=body.encode(),
+                    headers={"content-type": "Application/JSON; charset=utf-8"})
+    assert ok.status_code == 200, ok.text
 
 
 def test_unknown_route_is_404(server):
@@ -239,7 +265,8 @@ def test_body_and_image_size_limits(start_app, engine_double):
     assert 10_000 < len(small) < 30_000
     assert_error(chat(server, image_content(small)), 413, match="max_image_bytes=10000")
     chunked = httpx.post(server.url + "/v1/chat/completions",
-                         content=iter([b"{" + b" " * 40_000, b" " * 40_000 + b"}"]))
+                         content=iter([b"{" + b" " * 40_000, b" " * 40_000 + b"}"]),
+                         headers={"content-type": "application/json"})
     assert_error(chunked, 413, match="max_body_bytes")
 
 
@@ -266,6 +293,35 @@ def test_api_key(start_app, engine_double):
     assert r.status_code == 200
     assert httpx.get(server.url + "/v1/models").status_code == 401
     assert httpx.get(server.url + "/health").status_code == 200  # probes need no key
+
+
+def test_api_key_guards_metrics_and_health_details(start_app, engine_double, fresh_engine_double):
+    key = {"Authorization": "Bearer sekrit"}
+    server = start_app(engine_double, api_key="sekrit")
+    assert_error(httpx.get(server.url + "/metrics"), 401, "authentication_error")
+    assert_error(httpx.get(server.url + "/metrics", headers={"Authorization": "Bearer no"}), 401)
+    assert "vllm:num_requests_running" in httpx.get(server.url + "/metrics", headers=key).text
+    terse = httpx.get(server.url + "/health")
+    assert terse.status_code == 200 and terse.json() == {"status": "ok"}
+    detailed = httpx.get(server.url + "/health", headers=key).json()
+    assert detailed["engines"][0]["address"] == engine_double.address
+    # a dead engine: the probe still sees 503, but not where the socket is nor why
+    dying = start_app(fresh_engine_double, api_key="sekrit")
+    fresh_engine_double.kill()
+    terse = httpx.get(dying.url + "/health")
+    assert terse.status_code == 503
+    assert terse.json() == {"status": "unhealthy", "reason": "1 of 1 engines unavailable"}
+    assert fresh_engine_double.address.removeprefix("ipc://") not in terse.text
+    detailed = httpx.get(dying.url + "/health", headers=key)
+    assert detailed.status_code == 503 and "exited" in detailed.json()["reason"]
+
+
+def test_metrics_can_be_opened_beside_the_api_key(start_app, engine_double, make_config):
+    server = start_app(engine_double, api_key="sekrit", allow_unauthenticated_metrics=True)
+    assert httpx.get(server.url + "/metrics").status_code == 200
+    assert_error(chat(server, "x"), 401)
+    with pytest.raises(ValueError, match="allow_unauthenticated_metrics applies with api_key"):
+        make_config(allow_unauthenticated_metrics=True)
 
 
 def test_engine_error_mid_stream_and_non_stream(server):

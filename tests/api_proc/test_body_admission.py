@@ -1,9 +1,9 @@
-"""Request bodies count against the multimodal budget before they are read (R4).
+"""Request bodies count against the multimodal budget as they arrive (R4).
 
 A crowd of clients uploading base64 images must not hold more than the budget in request
-bodies: a large body waits for budget (429 after the timeout) while its bytes stay in the
-socket, small bodies are not queued at all, and a body that has been read exchanges its
-bytes for its images' pixel bytes.
+bodies: a large body waits for budget (429 after the timeout) while the rest of its bytes
+stay in the socket, small bodies are not queued at all, and a body that has been read
+exchanges its bytes for its images' pixel bytes.
 """
 
 from __future__ import annotations

@@ -138,3 +138,21 @@ def test_kept_encoded_bytes_go_at_the_first_output(start_app, engine):
         assert time.monotonic() < deadline, "the encoded bytes outlived the first output"
         time.sleep(0.05)
     assert server.app.state.admission.in_flight_bytes == 0
+
+
+def test_a_cached_image_needs_no_more_budget_than_a_new_one(start_app, engine):
+    # the case: a budget a new image fits was too small for the same image cached
+    import asyncio
+
+    from api_proc.media_loader import MediaRef
+
+    png, other = encode_image(256, 256, seed=6), encode_image(256, 256, seed=7)
+    probe = start_app(_Handle(engine)).app.state.serving.loader
+    need = max(asyncio.run(probe.fetch(MediaRef(data_url(p)))).need_bytes for p in (png, other))
+    server = start_app(_Handle(engine), mm_inflight_budget=need)
+    first = ask(server, png)  # a miss: decoded, within the budget
+    for _ in range(3):
+        assert ask(server, png) == first  # hits
+    assert [pixels for _, pixels in engine.adds] == [[True], [False], [False], [False]]
+    ask(server, other)  # a new image of the same size
+    assert server.app.state.admission.in_flight_bytes == 0

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import re
 import struct
 import threading
 import zlib
@@ -248,6 +249,48 @@ async def test_download_errors_are_400(loader_factory, http_server):
         await loader.fetch(MediaRef(gz))
     with pytest.raises(BadRequest, match="cannot be resolved"):
         await loader.fetch(MediaRef("http://no-such-host.invalid/x.png"))
+
+
+@pytest.mark.parametrize("url, part", [
+    ("http://0177.0.0.1:8499/x.png", "host: '0177.0.0.1' is not a dotted-decimal IPv4"),
+    ("http://0x7f.1/x.png", "host: '0x7f.1' is not a dotted-decimal IPv4"),
+    ("http://2130706433/x.png", "host: '2130706433' is not a dotted-decimal IPv4"),
+    ("http://[::1/x.png", "host: Invalid IPv6 URL"),
+    ("http://[zz]/x.png", "host: "),
+    ("http://a\x00b.example/x.png", "host: control character '\\x00' at position 8"),
+    ("http://example.com/x\x00.png", "path: control character"),
+    ("http://exa mple.com/x.png", "host: 'exa mple.com' is not a valid domain name"),
+    ("http://a..b/x.png", "host: 'a..b' is not a valid domain name"),
+    ("http://xn--zz/x.png", "host: 'xn--zz' is not a valid domain name"),
+    ("http:///x.png", "host: missing"),
+    ("http://user@/x.png", "host: missing"),
+    ("http://example.com:99999/x.png", "port: '99999' is not a port number"),
+    ("http://example.com:abc/x.png", "port: 'abc' is not a port number"),
+    ("http://example.com:0/x.png", "port: 0 is not a port number"),
+])
+async def test_malformed_http_urls_are_400_naming_the_part(loader_factory, url, part):
+    with pytest.raises(BadRequest) as e:
+        await loader_factory().fetch(MediaRef(url))
+    assert e.value.status == 400 and e.value.code == "invalid_image_url"
+    assert e.value.message.startswith(f"image URL {part}"), e.value.message
+
+
+@pytest.mark.parametrize("location, match", [
+    ("http://[::1/x.png", "Invalid URL in location header: Invalid port"),
+    ("http://0177.0.0.1/x.png", "Invalid URL in location header: Invalid IPv4 address"),
+    ("http://a..b/x.png", "image URL redirect host: 'a..b'"),
+])
+async def test_malformed_redirect_location_is_400(loader_factory, http_server, location, match):
+    hop = http_server.redirect("/hop", location)
+    with pytest.raises(BadRequest, match=re.escape(match)) as e:
+        await loader_factory(allow_private_media_addresses=True).fetch(MediaRef(hop))
+    assert e.value.status == 400
+
+
+async def test_malformed_file_url_is_400(loader_factory, media_root):
+    loader = loader_factory(allowed_local_media_path=str(media_root))
+    with pytest.raises(BadRequest, match="must name a local path"):
+        await loader.fetch(MediaRef("file://[::1/x.png"))
 
 
 # ------------------------------------------------------------------ local files

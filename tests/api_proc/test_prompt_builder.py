@@ -123,3 +123,38 @@ def test_chat_template_kwargs_reach_the_template_beside_its_own_variables(tiny_m
         "1:True:<think>[1, {'a': None}]"
     ids = b.build_chat(messages, [], template_kwargs={"enable_thinking": True})
     assert b.decoder.decode(ids) == "1:True:<think>"
+
+
+def test_text_that_cannot_fit_is_refused_before_tokenizing(tiny_model_path, builder):
+    vocab = builder.tokenizer.get_vocab(with_added_tokens=True)
+    assert builder.max_prompt_chars == 2 * max(map(len, vocab)) * 512
+    with pytest.raises(BadRequest, match="max_model_len") as e:
+        builder.encode("x" * (builder.max_prompt_chars + 1))
+    assert e.value.code == "context_length_exceeded"
+    # the bound never refuses what fits: the densest text (longest tokens) of max_model_len
+    longest = max(vocab, key=len)
+    dense = builder.tokenizer.decode([vocab[longest]] * 511)
+    assert len(dense) <= builder.max_prompt_chars and len(builder.encode(dense)) <= 512
+
+
+async def test_a_long_prompt_is_tokenized_without_holding_the_event_loop(tiny_model_path):
+    import asyncio
+
+    builder = PromptBuilder.from_pretrained(tiny_model_path, max_model_len=32768)
+    text = "hello world, some text to tokenize. " * 20_000  # 720 k characters
+    assert len(text) <= builder.max_prompt_chars
+    ticks = 0
+
+    async def tick():
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.001)
+            ticks += 1
+    ticker = asyncio.ensure_future(tick())
+    await asyncio.sleep(0.01)
+    before = ticks
+    ids = await asyncio.to_thread(builder.encode, text)
+    ticker.cancel()
+    assert len(ids) > 100_000
+    # a tokenizer holding the GIL for the whole text lets the loop tick once or twice
+    assert ticks - before >= 20

@@ -1,5 +1,5 @@
 """The tool choices' constraints, checked against the texts they must accept and refuse,
-through the same EBNF path the engine compiles (engine_proc/structured_output.py)."""
+through the same EBNF path the engine compiles (engine_proc/grammar_worker.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from api_proc.tool_grammar import tool_call_constraint
 xgr = pytest.importorskip("xgrammar")
 from xgrammar.testing import _is_grammar_accept_string  # noqa: E402
 
-from engine_proc.structured_output import _json_strings_without_controls  # noqa: E402
+from engine_proc.grammar_worker import _json_strings_without_controls  # noqa: E402
 
 TOOLS = [Tool.model_validate(t) for t in (
     {"type": "function", "function": {"name": "get_time", "parameters": {

@@ -67,6 +67,22 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(server):
     assert _chat(server.url, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).status_code == 200
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_huge_text_prompt_is_refused_untokenized_and_its_memory_goes_back(server, path):
+    api = psutil.Process(server.process.pid)
+    assert _chat(server.url, {"messages": [{"role": "user", "content": "warm"}],
+                              "max_tokens": 2}).status_code == 200
+    idle = api.memory_info().rss
+    text = "word " * 2_000_000  # 10 MB: tokenized, it took ~100 MB per MB of text
+    prompt = {"prompt": text} if path == "/v1/completions" else {
+        "messages": [{"role": "user", "content": text}]}
+    r = httpx.post(server.url + path, json={"model": MODEL, "max_tokens": 2, **prompt},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert "characters" in r.json()["error"]["message"]
+    assert api.memory_info().rss - idle < 20 << 20
+
+
 def test_client_disconnect_aborts_the_request_in_the_engine(server):
     address = httpx.get(server.url + "/health").json()["engines"][0]["address"]
     body = {"model": MODEL, "messages": [{"role": "user", "content": "tell me everything"}],
@@ -87,7 +103,8 @@ def test_client_disconnect_aborts_the_request_in_the_engine(server):
 
 
 def test_engine_killed_mid_stream_fails_cleanly_and_health_says_so(tmp_path):
-    proc = ServerProcess(log_path=tmp_path / "server.log").wait_ready()
+    proc = ServerProcess("--max-engine-restarts", "0", log_path=tmp_path / "server.log")
+    proc.wait_ready()
     try:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "go on"}],
                 "max_tokens": 4000, "stream": True, "ignore_eos": True}
@@ -120,6 +137,127 @@ def test_stop_leaves_no_process_or_socket_file(tmp_path, sig):
     for pid in engines:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert not os.path.exists(os.path.dirname(socket_file)), proc.log_tail()
+
+
+def test_sigterm_drains_then_ends_what_runs_on_with_an_error(tmp_path):
+    # vLLM's flag name; a generation far longer than the drain is cut with an error event
+    proc = ServerProcess("--shutdown-timeout", "1", log_path=tmp_path / "server.log").wait_ready()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "go on"}],
+            "max_tokens": 4000, "stream": True, "ignore_eos": True}
+    try:
+        with httpx.stream("POST", proc.url + "/v1/chat/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            next(lines)
+            proc.process.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        assert '"code":"server_shutting_down"' in rest[-2].replace(" ", "")
+        assert proc.process.wait(timeout=30) == 0
+        assert "requests still running after 1 s aborted" in proc.log_tail(), proc.log_tail()
+    finally:
+        proc.stop()
+
+
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def _wait_until(predicate, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def test_a_dead_engine_is_restarted_and_its_gauges_zeroed(tmp_path):
+    proc = ServerProcess(log_path=tmp_path / "server.log").wait_ready()
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "go on"}],
+                "max_tokens": 4000, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", proc.url + "/v1/chat/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            next(lines)
+            _wait_until(lambda: _metric(proc.url, "vllm:num_requests_running") == 1,
+                        "the engine never reported the request running")
+            dead = proc.engine_pids()[0]
+            os.kill(dead, signal.SIGKILL)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert sum('"error"' in line for line in rest) == 1  # failed once, then [DONE]
+        assert rest[-1] == "data: [DONE]"
+        # the dead engine's last figures are gone at once, not shown as if it were busy
+        assert _metric(proc.url, "vllm:num_requests_running") == 0
+        _wait_until(lambda: httpx.get(proc.url + "/health", timeout=5).status_code == 200,
+                    "the engine was not restarted:\n" + proc.log_tail())
+        assert _metric(proc.url, "flatserve_engine_restarts_total") == 1
+        assert proc.engine_pids() and dead not in proc.engine_pids()
+        assert _chat(proc.url, {"messages": [{"role": "user", "content": "again"}],
+                                "max_tokens": 2}).status_code == 200
+    finally:
+        proc.stop()
+
+
+def test_an_engine_that_cannot_come_back_stops_the_server_non_zero(tmp_path, tiny_model_path):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_path, model)
+    proc = ServerProcess("--model", str(model), "--served-model-name", MODEL,
+                         "--max-engine-restarts", "1", log_path=tmp_path / "server.log")
+    proc.wait_ready()
+    try:
+        for weights in model.glob("*.safetensors"):
+            weights.unlink()  # a restarted engine cannot load
+        os.kill(proc.engine_pids()[0], signal.SIGKILL)
+        assert proc.process.wait(timeout=120) == 1, proc.log_tail()
+        assert "1 restarts in a row failed" in proc.log_tail(), proc.log_tail()
+    finally:
+        proc.stop()
+
+
+def test_engine_restarts_can_be_turned_off(tmp_path):
+    proc = ServerProcess("--max-engine-restarts", "0", log_path=tmp_path / "server.log")
+    proc.wait_ready()
+    try:
+        os.kill(proc.engine_pids()[0], signal.SIGKILL)
+        _wait_until(lambda: httpx.get(proc.url + "/health", timeout=5).status_code == 503,
+                    "the dead engine was not noticed")
+        time.sleep(2)  # longer than the first backoff: a restart would have begun
+        assert proc.engine_pids() == [] and proc.process.poll() is None
+        assert _metric(proc.url, "flatserve_engine_restarts_total") == 0
+    finally:
+        proc.stop()
+
+
+def _pending_signals(pid: int) -> int:
+    """The signals pending for a process (its /proc status ShdPnd mask)."""
+    with open(f"/proc/{pid}/status") as f:
+        line = next(line for line in f if line.startswith("ShdPnd:"))
+    return int(line.split()[1], 16)
+
+
+def test_a_second_ctrl_c_kills_an_engine_slow_to_stop(tmp_path):
+    proc = ServerProcess(log_path=tmp_path / "server.log").wait_ready()
+    engine = proc.engine_pids()[0]
+    socket_file = httpx.get(proc.url + "/health").json()["engines"][0]["address"][len("ipc://"):]
+    os.kill(engine, signal.SIGSTOP)  # an engine that does not stop when asked
+    try:
+        proc.process.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 20
+        while not _pending_signals(engine) & (1 << (signal.SIGTERM - 1)):
+            assert time.monotonic() < deadline, "the launcher never asked the engine to stop"
+            time.sleep(0.05)
+        proc.process.send_signal(signal.SIGINT)  # the second Ctrl-C
+        assert proc.stop(timeout=20) == 0, proc.log_tail()
+        assert not psutil.pid_exists(engine) or \
+            psutil.Process(engine).status() == psutil.STATUS_ZOMBIE, proc.log_tail()
+        assert not os.path.exists(os.path.dirname(socket_file)), proc.log_tail()
+        assert "SIGINT while stopping: killing the engines" in proc.log_tail()
+    finally:
+        if psutil.pid_exists(engine):
+            os.kill(engine, signal.SIGKILL)
 
 
 def test_two_engines_share_the_load(tmp_path):

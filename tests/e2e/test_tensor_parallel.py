@@ -22,8 +22,9 @@ MODEL = "flatserve-tiny-qwen2.5-vl"
 @pytest.fixture(scope="module")
 def tp_server(tmp_path_factory, tiny_model_path):
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    proc = ServerProcess("-tp", "2", log_path=tmp_path_factory.mktemp("tp") / "server.log",
-                         env=env)
+    # restarts off: the death test looks at the engine that died, not at its successor
+    proc = ServerProcess("-tp", "2", "--max-engine-restarts", "0",
+                         log_path=tmp_path_factory.mktemp("tp") / "server.log", env=env)
     try:
         yield proc.wait_ready()
     finally:

@@ -113,3 +113,96 @@ def test_a_bad_schema_fails_its_request_alone(engine):
     assert bad.finish_reason == "error" and bad.error_code == ErrorCode.REJECTED
     assert "regex" in bad.error
     assert outputs["good"][-1].finish_reason in ("stop", "length")
+
+
+def big_choice(n: int = 300, length: int = 200) -> tuple[str, str]:
+    """A choice constraint that takes the tiny model's compiler a second or more (one `n`
+    per test: compiled grammars are kept for reuse)."""
+    import random
+
+    rng = random.Random(n)
+    choices = ["".join(rng.choice("abcdefghij klmnop") for _ in range(length)) for _ in range(n)]
+    return ("choice", json.dumps(choices))
+
+
+def finish(engine) -> dict:
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    return outputs
+
+
+def gone(pid: int) -> bool:
+    import psutil
+
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def wait_until(predicate, what: str, timeout_s: float = 30.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_a_slow_grammar_holds_no_other_request_back(engine):
+    engine.add_request(AddRequest("slow", [40, 41], SamplingParams(
+        max_tokens=4, structured=big_choice())))
+    engine.add_request(AddRequest("plain", [40, 41], SamplingParams(max_tokens=8,
+                                                                     ignore_eos=True)))
+    slow = engine.seqs["slow"]
+    plain = []
+    while not plain or plain[-1].finish_reason is None:
+        plain += [o for o in engine.step() if o.request_id == "plain"]
+    assert slow.grammar_future is not None and not slow.grammar_future.done()
+    assert sum(len(o.new_token_ids) for o in plain) == 8
+    assert finish(engine)["slow"][-1].finish_reason in ("stop", "length")
+
+
+def test_a_grammar_past_its_budget_fails_its_request_and_its_compile_stops(engine):
+    structured = engine.structured
+    warm = structured.compile("regex", "[a-z]+")  # a compiler process to watch
+    warm.result(60)
+    pid = structured.compiler_pid
+    structured.timeout_s = 0.3
+    try:
+        engine.add_request(AddRequest("late", [40, 41], SamplingParams(
+            max_tokens=4, structured=big_choice(n=302))))
+        late = finish(engine)["late"][-1]
+    finally:
+        structured.timeout_s = 10.0
+    assert late.finish_reason == "error" and late.error_code == ErrorCode.REJECTED
+    assert "did not compile within 0.3 s" in late.error
+    wait_until(lambda: gone(pid), "the compile past its time still runs")
+    structured.max_spec_bytes, max_spec_bytes = 1000, structured.max_spec_bytes
+    try:
+        engine.add_request(AddRequest("huge", [40, 41], SamplingParams(
+            max_tokens=4, structured=("regex", "a" * 1001))))
+        huge = finish(engine)["huge"][-1]
+    finally:
+        structured.max_spec_bytes = max_spec_bytes
+    assert huge.error_code == ErrorCode.REJECTED and "more than the 1000" in huge.error
+    # the next grammar gets a fresh compiler
+    assert finish_one(engine, ("regex", "[a-z]{3}")).finish_reason in ("stop", "length")
+
+
+def finish_one(engine, structured):
+    engine.add_request(AddRequest("next", [40, 41], SamplingParams(max_tokens=8,
+                                                                    structured=structured)))
+    return finish(engine)["next"][-1]
+
+
+def test_an_aborted_request_stops_its_compile(engine):
+    engine.add_request(AddRequest("gone", [40, 41], SamplingParams(
+        max_tokens=4, structured=big_choice(n=301))))
+    future = engine.seqs["gone"].grammar_future
+    wait_until(lambda: future.running() and engine.structured.compiler_pid is not None,
+               "the compile never started")
+    pid = engine.structured.compiler_pid
+    assert engine.abort_request("gone")
+    wait_until(lambda: gone(pid), "the aborted request's compile still runs")
+    assert finish(engine)["gone"][-1].finish_reason == "abort"
+    assert finish_one(engine, ("regex", "[a-z]{3}")).finish_reason in ("stop", "length")

@@ -47,3 +47,12 @@ def test_spawning_flags_are_refused_with_engine_addresses():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "no engine is spawned here" in done.stderr.strip().splitlines()[-1]
+
+
+def test_engine_restarts_are_refused_where_no_engine_is_spawned():
+    done = subprocess.run([sys.executable, "-m", "flatserve.cli", "serve", "--engine-addresses",
+                           "ipc:///tmp/nowhere.sock", "--max-engine-restarts", "3"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "--max-engine-restarts applies to engines spawned here" in \
+        done.stderr.strip().splitlines()[-1]

@@ -140,3 +140,18 @@ def test_official_openai_client(server):
     bad_key = openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad_key.models.list()
+
+
+def test_the_readme_sdk_example_runs_as_printed(start_app, engine_double, capsys):
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    quick_start = readme[:readme.index("## Using it")]
+    example = re.search(r"with the Python SDK.*?```python\n(.*?)```", quick_start, re.S).group(1)
+    server = start_app(engine_double)
+    exec(example.replace("http://127.0.0.1:8000", server.url), {})  # noqa: S102
+    printed = capsys.readouterr().out
+    # the double echoes the prompt: 16 tokens of it, then the story's
+    assert "completion_tokens=16" in printed and "Tell me a story" in printed
+    assert "random weights" in quick_start and "--model" in quick_start
