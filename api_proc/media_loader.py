@@ -155,6 +155,9 @@ def read_local_file(path_text: str, root: str, max_bytes: int) -> bytes:
     path = Path(path_text)
     if not path.is_absolute():
         raise BadRequest("file:// image URLs need an absolute path", param="image_url")
+    if "\x00" in path_text:
+        raise BadRequest("image URL path: a NUL byte (%00) names no file", param="image_url",
+                         code="invalid_image_url")
     try:
         real = path.resolve(strict=True)  # follows symlinks and '..'
     except (OSError, RuntimeError):

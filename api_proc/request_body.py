@@ -70,6 +70,8 @@ class BodyReader:
     all arrive within `timeout_s` of reading (waits for budget not counted; 408 past it);
     and a large body holds admission bytes for what has arrived, never for what its
     Content-Length declares, so a client that sends headers and no body holds nothing (R4).
+    Bodies that hold the whole budget between them, each waiting to grow, would wait for
+    ever: the one that would complete that stall gets a 429 at once instead.
     """
 
     def __init__(self, limit: int, admission: AdmissionController, timeout_s: float,
@@ -81,6 +83,7 @@ class BodyReader:
         self._turns = asyncio.Semaphore(max_unread)
         self.num_unread = 0  # bodies being received now
         self.num_waiting = 0  # requests waiting for their turn
+        self._stalled_bytes = 0  # held by bodies waiting for budget to grow
 
     async def read(self, request: Request) -> RequestBody:
         """The request body, refused with 415 unless it is declared as JSON and with 413 as
@@ -159,7 +162,20 @@ class BodyReader:
         need = min(BODY_COPIES * size, self.admission.budget_bytes)
         if held >= need:
             return reservation
-        more = await self.admission.acquire(max(need, min(2 * held, cap)) - held)
+        more_bytes = max(need, min(2 * held, cap)) - held
+        admission = self.admission
+        if not admission.can_admit(more_bytes) and \
+                admission.in_flight_bytes <= self._stalled_bytes + held:
+            # every byte in flight belongs to bodies waiting to grow: none would ever get
+            # more, so this one gives its bytes back for the others
+            raise OverBudget(f"request bodies being received fill the multimodal budget "
+                             f"({admission.budget_bytes} bytes) and each waits for more; "
+                             "retry later", code="mm_budget_exceeded")
+        self._stalled_bytes += held
+        try:
+            more = await admission.acquire(more_bytes)
+        finally:
+            self._stalled_bytes -= held
         if reservation is None:
             return more
         reservation.absorb(more)

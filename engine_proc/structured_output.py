@@ -173,6 +173,10 @@ class StructuredOutputs:
                 job.set_result(compiled)
                 compiled = None
             except Exception as e:  # noqa: BLE001 - the job's error is its request's
+                compiler = self._compiler
+                if compiler is not None and (compiler.process.poll() is not None
+                                             or not isinstance(e, GrammarError)):
+                    self._stop_compiler()  # gone or out of step: the next grammar starts one
                 error = e if isinstance(e, GrammarError) else GrammarError(
                     f"the grammar compiler failed: {type(e).__name__}: {e}")
                 job.set_exception(error)

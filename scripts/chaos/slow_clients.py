@@ -29,7 +29,10 @@ CHAT = "/v1/chat/completions"
 
 def raw(host: str, port: int, data: bytes) -> socket.socket:
     sock = socket.create_connection((host, port), timeout=60)
-    sock.sendall(data)
+    try:
+        sock.sendall(data)
+    except OSError:  # the server refused it before it was all sent
+        pass
     return sock
 
 

@@ -291,6 +291,9 @@ async def test_malformed_file_url_is_400(loader_factory, media_root):
     loader = loader_factory(allowed_local_media_path=str(media_root))
     with pytest.raises(BadRequest, match="must name a local path"):
         await loader.fetch(MediaRef("file://[::1/x.png"))
+    with pytest.raises(BadRequest, match="NUL byte") as e:
+        await loader.fetch(MediaRef(f"file://{media_root}/ok%00.png"))
+    assert e.value.status == 400
 
 
 # ------------------------------------------------------------------ local files

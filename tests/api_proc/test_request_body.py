@@ -20,7 +20,7 @@ def open_body(server, declared: int, first: bytes = b"") -> socket.socket:
     is sent."""
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                 b"Content-Type: application/json\r\n"
+                 b"Content-Type: application/json\r\nConnection: close\r\n"
                  b"Content-Length: %d\r\n\r\n" % declared + first)
     return sock
 
@@ -105,3 +105,28 @@ def test_at_most_max_unread_bodies_are_read_at_once(start_app, engine_double):
     assert bodies.num_unread == 0 and bodies.num_waiting == 0
     assert httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
         "messages": [{"role": "user", "content": "after"}], "max_tokens": 2}).status_code == 200
+
+
+def test_bodies_that_fill_the_budget_waiting_to_grow_do_not_wait_forever(start_app,
+                                                                        engine_double):
+    # two bodies reserved as they arrive, each holding part of the budget and waiting for
+    # more: neither would ever get it; the one that would complete the stall is refused
+    server = start_app(engine_double, mm_inflight_budget=1_000_000, admission_timeout_s=30)
+    admission = server.app.state.admission
+    body = json.dumps({"messages": [{"role": "user", "content": "grow"}], "max_tokens": 2})
+    body = (b" " * (700_000 - len(body)) + body.encode())
+    a = open_body(server, len(body), body[:200_000])
+    wait_until(lambda: admission.in_flight_bytes >= 400_000, "a's bytes were not reserved")
+    b = open_body(server, len(body), body[:320_000])
+    wait_until(lambda: admission.num_waiting == 1, "b did not wait for budget")
+    a.sendall(body[200_000:400_000])
+    data = b""
+    while chunk := a.recv(65536):
+        data += chunk
+    a.close()
+    head, _, payload = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 429"), data[:300]
+    assert "each waits for more" in json.loads(payload)["error"]["message"]
+    b.sendall(body[320_000:])
+    assert read_status(b) == 200
+    wait_until(lambda: admission.in_flight_bytes == 0, "budget not given back")

@@ -206,3 +206,22 @@ def test_an_aborted_request_stops_its_compile(engine):
     wait_until(lambda: gone(pid), "the aborted request's compile still runs")
     assert finish(engine)["gone"][-1].finish_reason == "abort"
     assert finish_one(engine, ("regex", "[a-z]{3}")).finish_reason in ("stop", "length")
+
+
+def test_a_compiler_process_that_died_is_replaced(engine):
+    import os
+    import signal
+
+    structured = engine.structured
+    structured.compile("regex", "[0-9]+").result(60)
+    pid = structured.compiler_pid
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: gone(pid) or structured._compiler.process.poll() is not None,
+               "the compiler did not die")
+    first = structured.compile("regex", "[0-9]{2}")  # finds it dead: fails, and is replaced
+    try:
+        first.result(60)
+    except Exception as e:  # noqa: BLE001 - which error depends on where the death is seen
+        assert "compiler" in str(e)
+    assert finish_one(engine, ("regex", "[a-z]{4}")).finish_reason in ("stop", "length")
+    assert structured.compiler_pid not in (None, pid)
