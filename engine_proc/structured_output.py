@@ -92,7 +92,10 @@ class _CompilerProcess:
         self.process.kill()
         self.process.wait()
         for pipe in (self.process.stdin, self.process.stdout):
-            pipe.close()
+            try:
+                pipe.close()
+            except OSError:  # stdin's unsent bytes meet the closed pipe (BrokenPipeError)
+                pass
 
 
 class StructuredOutputs:
@@ -173,6 +176,8 @@ class StructuredOutputs:
                 job.set_result(compiled)
                 compiled = None
             except Exception as e:  # noqa: BLE001 - the job's error is its request's
+                # (nothing in here may raise: the thread would die and every later
+                # grammar wait forever)
                 compiler = self._compiler
                 if compiler is not None and (compiler.process.poll() is not None
                                              or not isinstance(e, GrammarError)):
