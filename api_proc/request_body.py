@@ -70,8 +70,10 @@ class BodyReader:
     all arrive within `timeout_s` of reading (waits for budget not counted; 408 past it);
     and a large body holds admission bytes for what has arrived, never for what its
     Content-Length declares, so a client that sends headers and no body holds nothing (R4).
-    Bodies that hold the whole budget between them, each waiting to grow, would wait for
-    ever: the one that would complete that stall gets a 429 at once instead.
+    A body whose reservation cannot grow at once gives back what it holds and waits, holding
+    nothing, for all it can need: one that waited holding its part would keep the bytes
+    others need to finish (bodies, and the pixels of bodies already read) while they keep
+    the bytes it needs, and at load they all stalled.
     """
 
     def __init__(self, limit: int, admission: AdmissionController, timeout_s: float,
@@ -83,7 +85,6 @@ class BodyReader:
         self._turns = asyncio.Semaphore(max_unread)
         self.num_unread = 0  # bodies being received now
         self.num_waiting = 0  # requests waiting for their turn
-        self._stalled_bytes = 0  # held by bodies waiting for budget to grow
 
     async def read(self, request: Request) -> RequestBody:
         """The request body, refused with 415 unless it is declared as JSON and with 413 as
@@ -164,22 +165,16 @@ class BodyReader:
             return reservation
         more_bytes = max(need, min(2 * held, cap)) - held
         admission = self.admission
-        if not admission.can_admit(more_bytes) and \
-                admission.in_flight_bytes <= self._stalled_bytes + held:
-            # every byte in flight belongs to bodies waiting to grow: none would ever get
-            # more, so this one gives its bytes back for the others
-            raise OverBudget(f"request bodies being received fill the multimodal budget "
-                             f"({admission.budget_bytes} bytes) and each waits for more; "
-                             "retry later", code="mm_budget_exceeded")
-        self._stalled_bytes += held
-        try:
-            more = await admission.acquire(more_bytes)
-        finally:
-            self._stalled_bytes -= held
-        if reservation is None:
-            return more
-        reservation.absorb(more)
-        return reservation
+        if admission.can_admit(more_bytes):
+            more = await admission.acquire(more_bytes)  # at once
+            if reservation is None:
+                return more
+            reservation.absorb(more)
+            return reservation
+        # no hold-and-wait: give the held bytes back, wait for the most this body can need
+        if reservation is not None:
+            reservation.release()
+        return await admission.acquire(max(need, cap))
 
     def _too_large(self) -> PayloadTooLarge:
         return PayloadTooLarge(f"request body is larger than max_body_bytes={self.limit}",
