@@ -3,9 +3,8 @@ what `materialize` builds the random model from."""
 
 from __future__ import annotations
 
-from shared.model_config import TextConfig
+from shared.model_config import TextConfig, VisionConfig
 from shared.random_checkpoints.preset import Preset
-from shared.random_checkpoints.qwen3_5 import qwen3_5_config
 
 
 def transformers_config(preset: Preset, special: dict[str, int]):
@@ -143,20 +142,7 @@ def _qwen3_vl_config(preset: Preset, special: dict[str, int]):
     config_class = transformers.Qwen3VLMoeConfig if moe else transformers.Qwen3VLConfig
     config = config_class(
         text_config=text,
-        vision_config=dict(
-            depth=v.depth,
-            hidden_size=v.hidden_size,
-            intermediate_size=v.intermediate_size,
-            num_heads=v.num_heads,
-            out_hidden_size=v.out_hidden_size,
-            patch_size=v.patch_size,
-            spatial_merge_size=v.spatial_merge_size,
-            temporal_patch_size=v.temporal_patch_size,
-            in_channels=v.in_channels,
-            hidden_act=v.hidden_act,
-            num_position_embeddings=v.num_position_embeddings,
-            deepstack_visual_indexes=list(v.deepstack_visual_indexes),
-        ),
+        vision_config=_qwen3_vision(v, deepstack=True),
         image_token_id=special["<|image_pad|>"],
         video_token_id=special["<|video_pad|>"],
         vision_start_token_id=special["<|vision_start|>"],
@@ -166,6 +152,82 @@ def _qwen3_vl_config(preset: Preset, special: dict[str, int]):
     config.text_config.initializer_range = preset.initializer_range
     config.vision_config.initializer_range = preset.initializer_range
     config.initializer_range = preset.initializer_range
+    return config
+
+
+def _qwen3_vision(v: VisionConfig, deepstack: bool) -> dict:
+    """Qwen3-VL's tower (Qwen3.5's is the same without DeepStack taps)."""
+    config = dict(
+        depth=v.depth,
+        hidden_size=v.hidden_size,
+        intermediate_size=v.intermediate_size,
+        num_heads=v.num_heads,
+        out_hidden_size=v.out_hidden_size,
+        patch_size=v.patch_size,
+        spatial_merge_size=v.spatial_merge_size,
+        temporal_patch_size=v.temporal_patch_size,
+        in_channels=v.in_channels,
+        hidden_act=v.hidden_act,
+        num_position_embeddings=v.num_position_embeddings,
+    )
+    if deepstack:
+        config["deepstack_visual_indexes"] = list(v.deepstack_visual_indexes)
+    return config
+
+
+def qwen3_5_config(preset: Preset, special: dict[str, int]):
+    """transformers' Qwen3.5 (or Qwen3.5-MoE) config of `preset`, with the shared
+    tokenizer's special ids."""
+    import transformers
+
+    t, v = preset.text, preset.vision
+    moe = preset.architecture == "Qwen3_5MoeForConditionalGeneration"
+    text = dict(
+        hidden_size=t.hidden_size,
+        num_hidden_layers=t.num_hidden_layers,
+        num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_key_value_heads,
+        head_dim=t.head_dim,
+        max_position_embeddings=t.max_position_embeddings,
+        rms_norm_eps=t.rms_norm_eps,
+        hidden_act=t.hidden_act,
+        vocab_size=t.vocab_size,
+        attention_bias=t.attention_bias,
+        layer_types=list(t.layer_types),
+        linear_num_key_heads=t.linear_num_key_heads,
+        linear_num_value_heads=t.linear_num_value_heads,
+        linear_key_head_dim=t.linear_key_head_dim,
+        linear_value_head_dim=t.linear_value_head_dim,
+        linear_conv_kernel_dim=t.linear_conv_kernel_dim,
+        bos_token_id=special["<|endoftext|>"],
+        eos_token_id=special["<|im_end|>"],
+        tie_word_embeddings=t.tie_word_embeddings,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": t.rope_theta,
+            "partial_rotary_factor": t.partial_rotary_factor,
+            "mrope_section": list(t.mrope_section),
+            "mrope_interleaved": True,
+        },
+    )
+    if moe:
+        text.update(num_experts=t.num_experts, num_experts_per_tok=t.num_experts_per_tok,
+                    moe_intermediate_size=t.moe_intermediate_size,
+                    shared_expert_intermediate_size=t.shared_expert_intermediate_size)
+    else:
+        text.update(intermediate_size=t.intermediate_size)
+    config_class = transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config
+    config = config_class(
+        text_config=text,
+        vision_config=_qwen3_vision(v, deepstack=False),
+        image_token_id=special["<|image_pad|>"],
+        video_token_id=special["<|video_pad|>"],
+        vision_start_token_id=special["<|vision_start|>"],
+        vision_end_token_id=special["<|vision_end|>"],
+        tie_word_embeddings=t.tie_word_embeddings,
+    )
+    for c in (config, config.text_config, config.vision_config):
+        c.initializer_range = preset.initializer_range
     return config
 
 
