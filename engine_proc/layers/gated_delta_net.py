@@ -22,7 +22,7 @@ apart per part, and out_proj is row parallel.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +65,15 @@ class StateMetadata:
     decode_slots: torch.Tensor | None  # int64 [num_decodes] on the device
     spans: list[_Span]
     keep: bool = True  # the sequences have slots: read and write their states
+    # the delta rule's plan, the same for every layer: spans run token by token, and
+    # groups of longer ones run by the chunked rule together (_padding_groups)
+    short: list[_Span] = field(init=False)
+    groups: list[list[_Span]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.short = [sp for sp in self.spans if sp.end - sp.start <= RECURRENT_MAX_TOKENS]
+        self.groups = _padding_groups(
+            [sp for sp in self.spans if sp.end - sp.start > RECURRENT_MAX_TOKENS])
 
 
 def build_state_metadata(ctx: Context, num_tokens: int) -> StateMetadata:
@@ -194,7 +203,7 @@ class GatedDeltaNet(nn.Module):
             states = self.conv_state.index_select(0, meta.decode_slots)
             out[:n], states = causal_conv_step(qkv[:n], weight, states)
             self.conv_state.index_copy_(0, meta.decode_slots, states.to(self.conv_state.dtype))
-        keep = meta.keep and self.conv_state.numel() > 0
+        keep = meta.keep
         for span in meta.spans:
             state = self.conv_state[span.slot] if keep and span.has_initial_state else None
             out[span.start : span.end], state = causal_conv(qkv[span.start : span.end], weight, state)
@@ -212,36 +221,31 @@ class GatedDeltaNet(nn.Module):
                 initial_state=states, in_place=True)
             out[:n] = o[:, 0]
             self.ssm_state.index_copy_(0, meta.decode_slots, states.to(self.ssm_state.dtype))
-        keep = meta.keep and self.ssm_state.numel() > 0
-        short = [span for span in meta.spans if span.end - span.start <= RECURRENT_MAX_TOKENS]
-        for span in short:
-            s, e = span.start, span.end
-            state = self.ssm_state[span.slot][None] if keep and span.has_initial_state else None
-            o, state = recurrent_gated_delta_rule(q[None, s:e], k[None, s:e], v[None, s:e],
-                                                  g[None, s:e], beta[None, s:e], state)
-            out[s:e] = o[0]
-            if keep:
-                self.ssm_state[span.slot] = state[0]
-        long = [span for span in meta.spans if span.end - span.start > RECURRENT_MAX_TOKENS]
-        for group in _padding_groups(long):
-            self._chunk_group(group, q, k, v, g, beta, out, keep)
+        keep = meta.keep
+        for span in meta.short:
+            self._one_span(recurrent_gated_delta_rule, span, (q, k, v, g, beta), out, keep)
+        for group in meta.groups:
+            if len(group) == 1:
+                self._one_span(chunk_gated_delta_rule, group[0], (q, k, v, g, beta), out, keep)
+            else:
+                self._chunk_group(group, q, k, v, g, beta, out, keep)
         return out
+
+    def _one_span(self, rule, span: _Span, inputs: tuple, out: torch.Tensor,
+                  keep: bool) -> None:
+        """One prefill chunk through `rule`, from and back to its slot."""
+        s, e = span.start, span.end
+        state = self.ssm_state[span.slot][None] if keep and span.has_initial_state else None
+        o, state = rule(*(x[None, s:e] for x in inputs), initial_state=state)
+        out[s:e] = o[0]
+        if keep:
+            self.ssm_state[span.slot] = state[0]
 
     def _chunk_group(self, group: list[_Span], q, k, v, g, beta, out: torch.Tensor,
                      keep: bool) -> None:
         """The chunked rule over several prefill chunks at once, each zero-padded at its end
         to the longest: zero k, beta and g leave a state as it is, so each sequence's final
         state is its last real token's."""
-        if len(group) == 1:
-            (span,) = group
-            s, e = span.start, span.end
-            state = self.ssm_state[span.slot][None] if keep and span.has_initial_state else None
-            o, state = chunk_gated_delta_rule(q[None, s:e], k[None, s:e], v[None, s:e],
-                                              g[None, s:e], beta[None, s:e], state)
-            out[s:e] = o[0]
-            if keep:
-                self.ssm_state[span.slot] = state[0]
-            return
         padded = [pad_sequence([x[span.start : span.end] for span in group], batch_first=True)
                   for x in (q, k, v, g, beta)]
         state = None

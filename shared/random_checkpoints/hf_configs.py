@@ -109,27 +109,7 @@ def _qwen3_vl_config(preset: Preset, special: dict[str, int]):
 
     t, v = preset.text, preset.vision
     moe = preset.architecture == "Qwen3VLMoeForConditionalGeneration"
-    text = dict(
-        hidden_size=t.hidden_size,
-        intermediate_size=t.intermediate_size,
-        num_hidden_layers=t.num_hidden_layers,
-        num_attention_heads=t.num_attention_heads,
-        num_key_value_heads=t.num_key_value_heads,
-        head_dim=t.head_dim,
-        max_position_embeddings=t.max_position_embeddings,
-        rms_norm_eps=t.rms_norm_eps,
-        hidden_act=t.hidden_act,
-        vocab_size=t.vocab_size,
-        attention_bias=t.attention_bias,
-        bos_token_id=special["<|endoftext|>"],
-        eos_token_id=special["<|im_end|>"],
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": t.rope_theta,
-            "mrope_section": list(t.mrope_section),
-            "mrope_interleaved": t.mrope_interleaved,
-        },
-    )
+    text = _qwen3_text(t, special, intermediate_size=t.intermediate_size)
     if moe:
         text.update(
             num_experts=t.num_experts,
@@ -153,6 +133,32 @@ def _qwen3_vl_config(preset: Preset, special: dict[str, int]):
     config.vision_config.initializer_range = preset.initializer_range
     config.initializer_range = preset.initializer_range
     return config
+
+
+def _qwen3_text(t: TextConfig, special: dict[str, int], partial_rotary_factor: float | None = None,
+                **extra) -> dict:
+    """The text config Qwen3-VL and Qwen3.5 share (interleaved mRoPE, q/k norms), plus
+    `extra` fields; `partial_rotary_factor` joins the rope parameters when given."""
+    rope = {"rope_type": "default", "rope_theta": t.rope_theta,
+            "mrope_section": list(t.mrope_section), "mrope_interleaved": t.mrope_interleaved}
+    if partial_rotary_factor is not None:
+        rope["partial_rotary_factor"] = partial_rotary_factor
+    return dict(
+        hidden_size=t.hidden_size,
+        num_hidden_layers=t.num_hidden_layers,
+        num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_key_value_heads,
+        head_dim=t.head_dim,
+        max_position_embeddings=t.max_position_embeddings,
+        rms_norm_eps=t.rms_norm_eps,
+        hidden_act=t.hidden_act,
+        vocab_size=t.vocab_size,
+        attention_bias=t.attention_bias,
+        bos_token_id=special["<|endoftext|>"],
+        eos_token_id=special["<|im_end|>"],
+        rope_parameters=rope,
+        **extra,
+    )
 
 
 def _qwen3_vision(v: VisionConfig, deepstack: bool) -> dict:
@@ -182,34 +188,14 @@ def qwen3_5_config(preset: Preset, special: dict[str, int]):
 
     t, v = preset.text, preset.vision
     moe = preset.architecture == "Qwen3_5MoeForConditionalGeneration"
-    text = dict(
-        hidden_size=t.hidden_size,
-        num_hidden_layers=t.num_hidden_layers,
-        num_attention_heads=t.num_attention_heads,
-        num_key_value_heads=t.num_key_value_heads,
-        head_dim=t.head_dim,
-        max_position_embeddings=t.max_position_embeddings,
-        rms_norm_eps=t.rms_norm_eps,
-        hidden_act=t.hidden_act,
-        vocab_size=t.vocab_size,
-        attention_bias=t.attention_bias,
-        layer_types=list(t.layer_types),
-        linear_num_key_heads=t.linear_num_key_heads,
+    text = _qwen3_text(
+        t, special, partial_rotary_factor=t.partial_rotary_factor,
+        layer_types=list(t.layer_types), linear_num_key_heads=t.linear_num_key_heads,
         linear_num_value_heads=t.linear_num_value_heads,
         linear_key_head_dim=t.linear_key_head_dim,
         linear_value_head_dim=t.linear_value_head_dim,
         linear_conv_kernel_dim=t.linear_conv_kernel_dim,
-        bos_token_id=special["<|endoftext|>"],
-        eos_token_id=special["<|im_end|>"],
-        tie_word_embeddings=t.tie_word_embeddings,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": t.rope_theta,
-            "partial_rotary_factor": t.partial_rotary_factor,
-            "mrope_section": list(t.mrope_section),
-            "mrope_interleaved": True,
-        },
-    )
+        tie_word_embeddings=t.tie_word_embeddings)
     if moe:
         text.update(num_experts=t.num_experts, num_experts_per_tok=t.num_experts_per_tok,
                     moe_intermediate_size=t.moe_intermediate_size,
