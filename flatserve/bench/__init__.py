@@ -11,7 +11,7 @@ TPOT, ITL, end-to-end and /health latency percentiles, and throughput.
 
 from flatserve.bench.config import BenchConfig, build_parser, parse_args
 from flatserve.bench.report import format_table
-from flatserve.bench.runner import BenchError, main, run_bench
+from flatserve.bench.runner import BenchError, main, run_bench, run_rounds
 from flatserve.bench.stats import BenchResult
 
 __all__ = [
@@ -23,4 +23,5 @@ __all__ = [
     "main",
     "parse_args",
     "run_bench",
+    "run_rounds",
 ]

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import math
+import secrets
 import shlex
 import time
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ MAX_DEFAULT_WARMUP = 8
 SETTINGS = ("workload", "num_requests", "warmup_requests", "prompt_len",
             "prompt_len_range", "output_len", "output_len_range", "image_size",
             "images_per_request", "image_share", "turns", "temperature", "ignore_eos", "extra_body",
-            "concurrency", "request_rate", "seed")
+            "concurrency", "request_rate", "seed", "rounds")
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,16 @@ class BenchConfig:
         (), "also run the same load against a server started with these arguments added "
             "(e.g. '--no-enable-prefix-caching --encoder-cache-bytes 0'), first, and print "
             "both side by side with ratios")
+    peer_url: str | None = opt(None, "also measure this OpenAI-compatible server (e.g. vLLM at "
+                                     "http://127.0.0.1:8200) with the same requests, in "
+                                     "alternating rounds, and print both with ratios")
+    peer_model: str | None = opt(None, "the peer's model name (default: the first id from its "
+                                       "GET /v1/models)")
+    peer_api_key: str | None = opt(None, "the peer's API key")
+    peer_label: str = opt("peer", "the peer's name in the tables")
+    rounds: int | None = opt(None, "measured rounds against each server (default: 2 with "
+                                   "--peer-url, else 1); round r draws fresh prompts and images "
+                                   "from seed + r, and the servers take turns going first")
     temperature: float = opt(0.0, "sampling temperature")
     ignore_eos: bool = opt(False, "send 'ignore_eos': true (a vLLM extension) so every "
                                   "request generates exactly max_tokens")
@@ -60,7 +71,9 @@ class BenchConfig:
     warmup_requests: int | None = opt(None, "requests sent and waited for before the measured "
                                             f"run (default: concurrency, at most "
                                             f"{MAX_DEFAULT_WARMUP})")
-    seed: int = opt(0, "seed of prompts, lengths, images and arrivals")
+    seed: int | None = opt(None, "seed of prompts, lengths, images and arrivals (default: drawn "
+                                 "afresh for each run and printed, so that no cache a server "
+                                 "kept from an earlier run can hit)")
     request_timeout_s: float = opt(600.0, "timeout of each connect and each read of a "
                                           "request, seconds")
     health_interval_s: float = opt(0.1, "seconds between GET /health probes during the run")
@@ -83,6 +96,20 @@ class BenchConfig:
                              f"got {self.workload!r}")
         if self.concurrency is None and self.request_rate is None:
             object.__setattr__(self, "concurrency", DEFAULT_CONCURRENCY)
+        if self.seed is None:
+            object.__setattr__(self, "seed", secrets.randbelow(1 << 30))
+        if self.rounds is None:
+            object.__setattr__(self, "rounds", 2 if self.peer_url else 1)
+        if self.rounds < 1:
+            raise ValueError(f"rounds must be at least 1, got {self.rounds}")
+        if self.peer_url is not None:
+            if self.baseline_args:
+                raise ValueError("compare with either a peer (peer_url) or a second flatserve "
+                                 "(baseline_args), not both")
+            object.__setattr__(self, "peer_url", self.peer_url.rstrip("/"))
+        elif self.rounds > 1 and self.baseline_args:
+            raise ValueError("rounds > 1 alternate with a peer (peer_url); a baseline run "
+                             "starts its own server and runs once")
         if self.warmup_requests is None:
             warmup = min(self.concurrency or MAX_DEFAULT_WARMUP, MAX_DEFAULT_WARMUP)
             object.__setattr__(self, "warmup_requests", warmup)
@@ -195,6 +222,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     add("--image-share", "image_share", type=float, metavar="F")
     add("--turns", "turns", type=int, metavar="N")
     add("--baseline-args", "baseline_args", type=shlex.split, metavar="ARGS")
+    add("--peer-url", "peer_url", metavar="URL")
+    add("--peer-model", "peer_model", metavar="NAME")
+    add("--peer-api-key", "peer_api_key", metavar="KEY")
+    add("--peer-label", "peer_label", metavar="TEXT")
+    add("--rounds", "rounds", type=int, metavar="N")
     add("--temperature", "temperature", type=float, metavar="T")
     add("--ignore-eos", "ignore_eos", action="store_true")
     add("--extra-body", "extra_body", type=json.loads, metavar="JSON")

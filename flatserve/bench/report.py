@@ -107,6 +107,59 @@ def format_comparison(baseline: BenchResult, result: BenchResult) -> str:
     return "\n".join(lines)
 
 
+# the figures of a comparison over rounds: (row name, how to read it, higher is better)
+_ROUND_ROWS = (
+    ("requests/s", lambda r: r.requests_per_s, True),
+    ("output tokens/s", lambda r: r.output_tokens_per_s, True),
+    ("TTFT p50 (ms)", lambda r: r.ttft_ms["p50"], False),
+    ("TTFT p90 (ms)", lambda r: r.ttft_ms["p90"], False),
+    ("TTFT p99 (ms)", lambda r: r.ttft_ms["p99"], False),
+    ("TPOT p50 (ms)", lambda r: r.tpot_ms["p50"], False),
+    ("ITL p50 (ms)", lambda r: r.itl_ms["p50"], False),
+    ("ITL p99 (ms)", lambda r: r.itl_ms["p99"], False),
+    ("e2e p50 (ms)", lambda r: r.e2e_ms["p50"], False),
+    ("e2e p99 (ms)", lambda r: r.e2e_ms["p99"], False),
+)
+
+
+def _cells(values: list[float | None]) -> str:
+    return ", ".join("n/a" if v is None else f"{v:.2f}" for v in values)
+
+
+def _mean(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present and len(present) == len(values) else None
+
+
+def format_rounds(rounds: list[tuple[BenchResult, BenchResult]]) -> str:
+    """Two servers over alternating rounds: each figure per round for each, and the factor by
+    which the first is better (>1) or worse (<1) than the second, from the rounds' means."""
+    this, peer = rounds[0][0].label, rounds[0][1].label
+    width, column = 18, 24
+    lines = [f"{'=' * 8} {this} vs {peer}, {len(rounds)} round(s), per round {'=' * 8}",
+             f"{'':<{width}}{this:>{column}}{peer:>{column}}{this + ' better by':>22}"]
+    for name, read, higher_better in _ROUND_ROWS:
+        a = [read(r[0]) for r in rounds]
+        b = [read(r[1]) for r in rounds]
+        ma, mb = _mean(a), _mean(b)
+        if ma is None or mb is None or not ma or not mb:
+            ratio = "n/a"
+        else:
+            ratio = f"{(ma / mb if higher_better else mb / ma):.2f}x"
+        lines.append(f"{name:<{width}}{_cells(a):>{column}}{_cells(b):>{column}}{ratio:>22}")
+    errors = [f"{r[0].errors}/{r[1].errors}" for r in rounds]
+    lines.append(f"{'errors':<{width}}{'  (' + ', '.join(errors) + ' per round)':>{column}}")
+    return "\n".join(lines)
+
+
+def write_rounds_json(path: str | Path, rounds: list[tuple[BenchResult, BenchResult | None]]
+                      ) -> None:
+    data = {"rounds": [{"seed": this.settings.get("seed"), "this": this.to_dict(),
+                        "peer": None if peer is None else peer.to_dict()}
+                       for this, peer in rounds]}
+    Path(path).write_text(json.dumps(data, indent=2) + "\n")
+
+
 def write_json(path: str | Path, result: BenchResult, baseline: BenchResult | None = None
                ) -> None:
     data = result.to_dict()

@@ -6,12 +6,19 @@ import contextlib
 import dataclasses
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from flatserve.bench.config import BenchConfig, parse_args
 from flatserve.bench.health import HealthPoller, ServerUnreachable, health_path
 from flatserve.bench.load import Load
-from flatserve.bench.report import format_comparison, format_table, write_json
+from flatserve.bench.report import (
+    format_comparison,
+    format_rounds,
+    format_table,
+    write_json,
+    write_rounds_json,
+)
 from flatserve.bench.request import RequestResult
 from flatserve.bench.stats import BenchResult, summarize
 from flatserve.bench.workload import build_units
@@ -80,36 +87,92 @@ def _start_server(config: BenchConfig, stack: contextlib.ExitStack) -> tuple[str
     return server.url, ({"Authorization": f"Bearer {key}"} if key else {})
 
 
+@dataclass(frozen=True)
+class Target:
+    """One server under measurement, as found when attaching to it."""
+
+    label: str | None
+    base_url: str
+    headers: dict[str, str]
+    model: str
+    health_path: str
+
+
+def _attach(base_url: str, headers: dict[str, str], model: str | None,
+            label: str | None) -> Target:
+    try:
+        path = health_path(base_url, headers)
+    except ServerUnreachable as err:
+        raise BenchError(str(err)) from None
+    try:
+        model = model or first_model(base_url, headers)
+    except NoModelId as err:
+        raise BenchError(str(err)) from None
+    return Target(label, base_url, headers, model, path)
+
+
+def _bearer(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _main_target(config: BenchConfig, stack: contextlib.ExitStack) -> Target:
+    """The server the run is about: started here, or the one at --base-url."""
+    if config.base_url is None:
+        base_url, headers = _start_server(config, stack)
+    else:
+        base_url, headers = config.base_url, _bearer(config.api_key)
+    return _attach(base_url, headers, config.model, config.label)
+
+
+def measure(config: BenchConfig, target: Target) -> BenchResult:
+    """The warm-up and then the measured requests of `config` against `target`, polling its
+    health during the measured part."""
+    _log(f"model {target.model!r} at {target.base_url}, seed {config.seed}; timing GET "
+         f"{target.health_path} every {config.health_interval_s:g} s during the run")
+    units = build_units(config, target.model,
+                        range(config.num_units + config.num_warmup_units))
+    # the warm-up takes the last indices: its images differ from the measured ones
+    measured, warmup = units[:config.num_units], units[config.num_units:]
+    progress = _ProgressBar(config)
+    load = Load(config, target.base_url + "/v1/chat/completions", target.headers,
+                on_finish=progress.update)
+    poller = HealthPoller(target.base_url + target.health_path, config.health_interval_s,
+                          target.headers)
+    warm, results = run_interruptible(load.run(warmup, measured, _measuring(progress, poller)))
+    _report_warmup(warm)
+    settings = {"base_url": target.base_url, "model": target.model, **config.settings()}
+    return summarize(results, poller.latencies_s, target.health_path, poller.errors,
+                     target.label, settings)
+
+
 def run_bench(config: BenchConfig) -> BenchResult:
     """Start (or attach to) the server, send the warm-up and then the measured requests while
     polling its health, stop it, and return the figures. Raises ServerStartError or BenchError
     when the run cannot be set up. Not callable from inside a running event loop."""
     with contextlib.ExitStack() as stack:
-        if config.base_url is None:
-            base_url, headers = _start_server(config, stack)
-        else:
-            base_url = config.base_url
-            headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-        try:
-            path = health_path(base_url, headers)
-        except ServerUnreachable as err:
-            raise BenchError(str(err)) from None
-        try:
-            model = config.model or first_model(base_url, headers)
-        except NoModelId as err:
-            raise BenchError(str(err)) from None
-        _log(f"model {model!r} at {base_url}; timing GET {path} every "
-             f"{config.health_interval_s:g} s during the run")
-        units = build_units(config, model, range(config.num_units + config.num_warmup_units))
-        # the warm-up takes the last indices: its images differ from the measured ones
-        measured, warmup = units[:config.num_units], units[config.num_units:]
-        progress = _ProgressBar(config)
-        load = Load(config, base_url + "/v1/chat/completions", headers, on_finish=progress.update)
-        poller = HealthPoller(base_url + path, config.health_interval_s, headers)
-        warm, results = run_interruptible(load.run(warmup, measured, _measuring(progress, poller)))
-    _report_warmup(warm)
-    settings = {"base_url": base_url, "model": model, **config.settings()}
-    return summarize(results, poller.latencies_s, path, poller.errors, config.label, settings)
+        return measure(config, _main_target(config, stack))
+
+
+def run_rounds(config: BenchConfig) -> list[tuple[BenchResult, BenchResult | None]]:
+    """Per round, (this server's result, the peer's or None). Round r draws its requests from
+    seed + r, the same for both servers (each sees each image once); the servers take turns
+    going first, so that a drift of the machine's speed falls on both."""
+    with contextlib.ExitStack() as stack:
+        this = _main_target(config, stack)
+        if this.label is None:
+            this = dataclasses.replace(this, label="flatserve" if config.peer_url else None)
+        peer = None if config.peer_url is None else _attach(
+            config.peer_url, _bearer(config.peer_api_key), config.peer_model, config.peer_label)
+        rounds = []
+        for r in range(config.rounds):
+            round_config = dataclasses.replace(config, seed=config.seed + r)
+            if peer is None:
+                rounds.append((measure(round_config, this), None))
+                continue
+            order = (this, peer) if r % 2 == 0 else (peer, this)
+            results = {target.label: measure(round_config, target) for target in order}
+            rounds.append((results[this.label], results[peer.label]))
+        return rounds
 
 
 def run_with_baseline(config: BenchConfig) -> tuple[BenchResult | None, BenchResult]:
@@ -133,8 +196,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         config = parse_args(sys.argv[1:] if argv is None else argv, prog)
     except SystemExit as exit_:  # --help, or bad arguments (already reported)
         return exit_.code if isinstance(exit_.code, int) else 2
+    rounds = config.peer_url is not None or config.rounds > 1
     try:
         with sigterm_as_interrupt():
+            if rounds:
+                return _print_rounds(config, run_rounds(config))
             baseline, result = run_with_baseline(config)
     except (ServerStartError, BenchError) as err:
         _log(str(err))
@@ -151,3 +217,19 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         write_json(config.json_path, result, baseline)
         print(f"wrote {config.json_path}")
     return 0 if result.completed and (baseline is None or baseline.completed) else 1
+
+
+def _print_rounds(config: BenchConfig, rounds: list[tuple[BenchResult, BenchResult | None]]
+                  ) -> int:
+    for r, results in enumerate(rounds):
+        print(f"---- round {r + 1} of {len(rounds)}, seed {config.seed + r} ----")
+        for result in results:
+            if result is not None:
+                print(format_table(result), end="\n\n")
+    if config.peer_url is not None:
+        print(format_rounds(rounds))
+    if config.json_path:
+        write_rounds_json(config.json_path, rounds)
+        print(f"wrote {config.json_path}")
+    return 0 if all(result.completed for results in rounds for result in results
+                    if result is not None) else 1

@@ -40,6 +40,7 @@ class FakeServer:
         self.usage = usage
         self.health = health
         self.bodies: list[dict] = []
+        self.arrivals: list[float] = []  # time.monotonic() of each chat request
         self.in_flight = 0
         self.max_in_flight = 0
 
@@ -80,6 +81,7 @@ class FakeServer:
         async def chat(request: Request):
             body = await request.json()
             self.bodies.append(body)
+            self.arrivals.append(time.monotonic())
             if self.fail_every and len(self.bodies) % self.fail_every == 0:
                 return JSONResponse({"error": {"message": "injected failure"}}, status_code=500)
             self.in_flight += 1
@@ -269,6 +271,48 @@ def test_peer_without_health_or_usage(serve_fake, tmp_path, capsys):
     assert data["prompt_tokens"] is None and data["total_tokens_per_s"] is None
     assert data["health_path"] == "/v1/models" and data["health_ms"]["p50"] > 0
     assert "no /health" in capsys.readouterr().out
+
+
+def _image_urls(body: dict) -> list[str]:
+    return [p["image_url"]["url"] for p in body["messages"][0]["content"]
+            if p["type"] == "image_url"]
+
+
+def test_peer_rounds_alternate_with_the_same_fresh_requests(serve_fake, tmp_path, capsys):
+    this, peer = FakeServer(), FakeServer(token_delay=0.01)
+    this_url, peer_url = serve_fake(this), serve_fake(peer)
+    code, data = run_main(this_url, tmp_path, "--peer-url", peer_url + "/", "--peer-label",
+                          "vllm", "--workload", "image", "--image-size", "32", "--seed", "7",
+                          "--num-requests", "3", "--warmup-requests", "1", "--concurrency", "1",
+                          "--output-len", "4")
+    assert code == 0
+    assert [r["seed"] for r in data["rounds"]] == [7, 8]
+    for r in data["rounds"]:
+        assert r["this"]["completed"] == r["peer"]["completed"] == 3
+        assert r["this"]["label"] == "flatserve" and r["peer"]["label"] == "vllm"
+    # per round: 1 warm-up + 3 measured requests each, the same bodies to both servers
+    assert len(this.bodies) == len(peer.bodies) == 8
+    assert this.bodies == peer.bodies
+    first, second = ({u for b in bodies[i:i + 4] for u in _image_urls(b)}
+                     for i, bodies in ((0, this.bodies), (4, this.bodies)))
+    assert len(first) == len(second) == 4 and not first & second  # fresh images each round
+    # round 1: this server first; round 2: the peer first
+    assert this.arrivals[3] < peer.arrivals[0] and peer.arrivals[7] < this.arrivals[4]
+    out = capsys.readouterr().out
+    assert "flatserve vs vllm, 2 round(s)" in out and "flatserve better by" in out
+    table = out[out.index("flatserve vs vllm"):]
+    row = next(line for line in table.splitlines() if line.startswith("requests/s"))
+    ratio = float(row.split()[-1].rstrip("x"))
+    assert ratio > 1.2  # the peer streams at half the speed
+
+
+def test_seed_is_fresh_for_each_run_unless_given():
+    assert len({parse_args([]).seed for _ in range(4)}) > 1
+    assert parse_args(["--seed", "3"]).seed == 3
+    with pytest.raises(SystemExit):
+        parse_args(["--peer-url", "http://h:1", "--baseline-args", "--x"])
+    assert parse_args(["--peer-url", "http://h:1"]).rounds == 2
+    assert parse_args([]).rounds == 1
 
 
 def test_streams_without_done_end_at_their_finish_reason(serve_fake, tmp_path, capsys):
