@@ -12,11 +12,6 @@ from shared.engine_config import EngineConfig
 from shared.memory import ENGINE_MALLOC_ENV, apply_malloc_settings, bound_kernel_caches
 from shared.process import die_with_parent, set_process_title
 
-# Measured on 2 cores, text c=32 (flatserve bench, 3 runs each): /health p99 25-31 ms and max
-# 29-38 ms at +10, against 32-95 and 85-164 ms at 0, for the same throughput (19.4 vs 19.9
-# req/s, within the runs' spread).
-CPU_ENGINE_NICE = 10
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="flatserve engine worker process")
@@ -48,9 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         # the ranks share the cores (each worker takes as many threads as this rank)
         torch.set_num_threads(max(1, torch.get_num_threads() // config.tensor_parallel_size))
     torch.manual_seed(config.seed)  # unseeded sampling draws from torch's global generators
+    # Not niced by default: on a CPU a lower-priority engine's OpenMP threads are preempted
+    # by every wake-up of the API and the clients, and its other threads wait at the next
+    # barrier (text c=32 on 2 cores: 33.0 and 31.6 req/s at 0 against 27.6 and 4.6 at +10).
     nice = config.engine_nice
-    if nice < 0:
-        nice = CPU_ENGINE_NICE if resolve_device(config.device).type == "cpu" else 0
     if nice:
         os.nice(nice)
     logging.getLogger(__name__).info(

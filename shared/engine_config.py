@@ -65,8 +65,8 @@ class EngineConfig:
         0, "torch intra-op threads of each engine (0: torch's default, one per core, or "
         "OMP_NUM_THREADS when set)")
     engine_nice: int = opt(
-        -1, "niceness added to each engine process (-1: 10 when it computes on the CPU, so "
-        "the API's event loop and image decoding preempt model math; 0 on a GPU)")
+        0, "niceness added to each engine process (e.g. 10: the API's event loop and image "
+        "decoding preempt model math, for a steadier /health at a cost in throughput on a CPU)")
     seed: int = opt(0, "random seed of each engine: sampling without a per-request seed "
                        "repeats from one start to the next (vLLM's --seed)")
     tensor_parallel_size: int = opt(
@@ -123,8 +123,8 @@ class EngineConfig:
                 parse_device(self.device)
             except argparse.ArgumentTypeError as e:
                 raise ValueError(f"device: {e}") from None
-        if not -1 <= self.engine_nice <= 19:
-            raise ValueError(f"engine_nice must be -1 (auto) or 0-19, got {self.engine_nice}")
+        if not 0 <= self.engine_nice <= 19:
+            raise ValueError(f"engine_nice must be in 0-19, got {self.engine_nice}")
         if self.curve_key_dir:
             if not uses_curve(self.address):
                 raise ValueError(f"curve_key_dir: keys apply to tcp:// addresses, not "

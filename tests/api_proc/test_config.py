@@ -89,7 +89,7 @@ def test_parsers_and_template_defaults_from_the_command_line(tiny_model_path, ca
     ({"max_num_seqs": 0}, "max_num_seqs"),
     ({"torch_threads": -1}, "torch_threads"),
     ({"engine_nice": 20}, "engine_nice"),
-    ({"engine_nice": -2}, "engine_nice"),
+    ({"engine_nice": -1}, "engine_nice"),
 ])
 def test_bad_engine_settings_are_refused(kw, match):
     from shared.engine_config import EngineConfig
