@@ -9,11 +9,15 @@ placeholder tokens.
 Vision work per step is bounded too: the images a step encodes may hold at most
 `max_num_encoder_patches` patches together. A chunk that would reach an image over what is
 left of that budget ends just before the image's placeholder tokens, and the image is
-encoded in a later step. An image larger than the whole budget is encoded in stages (the
-vision tower cut at its full-attention blocks), one stage per step and alone, ahead of the
-chunk that consumes it: its pixels go at the first stage, the hidden states between stages
-are all it holds. So a burst of large images cannot freeze the running decodes: each step
-carries at most one budget of vision work, or one stage of one image, beside them.
+encoded in a later step; a step's first image is encoded whatever its size. An image of
+more than `encoder_stage_patches` patches is encoded in stages (the vision tower cut at its
+full-attention blocks), one stage per step and alone, ahead of the chunk that consumes it:
+its pixels go at the first stage, the hidden states between stages are all it holds. So a
+burst of large images cannot freeze the running decodes: each step carries at most one
+budget of vision work, one image, or one stage of one image, beside them. Images are
+encoded in arrival order, one step's worth at a time, and every running decode gets its
+token in each of those steps: a request's first token comes one or two vision steps after
+its image reaches the head of the queue.
 
 Preemption is by recompute (free the blocks, requeue at the front, prefill again) and only
 ever hits text-only sequences. R3 frees an image's pixels and embeddings once its last
@@ -91,8 +95,10 @@ class _EncoderBudget:
     """The vision work one step may still do: patches of whole images, or one stage of
     one image over the budget (`staged`: the image being encoded in stages, if any)."""
 
-    def __init__(self, max_patches: int, num_stages: int, staged: ImageSpan | None) -> None:
+    def __init__(self, max_patches: int, stage_patches: int, num_stages: int,
+                 staged: ImageSpan | None) -> None:
         self.max_patches = max_patches
+        self.stage_patches = stage_patches
         self.left = max_patches
         self.used = False
         self.num_stages = num_stages
@@ -102,8 +108,9 @@ class _EncoderBudget:
     def fit(self, seq: Sequence, start: int, num_new: int) -> int:
         """How many of `num_new` tokens from `seq`'s token `start` (its first uncomputed
         one) the step can take: up to the first image it cannot encode within the budget
-        (at least one image per step, however large, when the model's tower has a single
-        stage) or that is still being encoded in stages. Charges the images the returned
+        (at least one image per step, however large, unless it is over the stage threshold
+        and the model's tower has stages) or that is still being encoded in stages. Charges
+        the images the returned
         chunk reaches. An image that starts before `start` but ends after it (a prefix
         cache hit ending inside it) is encoded whole unless that happened already."""
         for image in seq.images:
@@ -112,7 +119,7 @@ class _EncoderBudget:
             if image.end <= start or image.embeds is not None:
                 continue  # consumed already, or encoded by an earlier chunk or in stages
             patches = image.num_patches
-            if patches > self.max_patches and self.num_stages > 1:
+            if patches > self.stage_patches and self.num_stages > 1:
                 if not self.used and self.staged in (None, image):
                     self.take_stage(image)
                 return max(image.offset - start, 0)
@@ -174,6 +181,7 @@ class Scheduler:
         max_model_len: int,
         max_waiting: int,
         max_num_encoder_patches: int = 4096,
+        encoder_stage_patches: int | None = None,
         num_encoder_stages: int = 1,
         eos_token_ids: tuple[int, ...] = (),
         enable_prefix_caching: bool = True,
@@ -184,7 +192,8 @@ class Scheduler:
         """num_state_slots: hybrid models' recurrent state slots (engine_proc/state_cache.py),
         one per running sequence; 0 for models without. num_state_snapshots: with prefix
         caching, the states kept at block boundaries (engine_proc/state_snapshots.py), in
-        the slots after the running ones."""
+        the slots after the running ones. encoder_stage_patches: images over it are encoded
+        in stages (None: over max_num_encoder_patches)."""
         if max_num_batched_tokens < max_num_seqs:
             # every running sequence must get its decode token each step, or some starve
             raise ValueError(
@@ -203,6 +212,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.max_waiting = max_waiting
         self.max_num_encoder_patches = max_num_encoder_patches
+        self.encoder_stage_patches = (max_num_encoder_patches if encoder_stage_patches is None
+                                      else encoder_stage_patches)
         self.num_encoder_stages = num_encoder_stages
         self.staged: ImageSpan | None = None  # the image being encoded in stages
         self.decode_share = DecodeShare(decode_share)
@@ -259,7 +270,8 @@ class Scheduler:
         staged = self.staged
         if staged is not None and (staged.embeds is not None or staged.released):
             staged = None  # encoded, or its request is gone
-        encoder = _EncoderBudget(self.max_num_encoder_patches, self.num_encoder_stages, staged)
+        encoder = _EncoderBudget(self.max_num_encoder_patches, self.encoder_stage_patches,
+                                 self.num_encoder_stages, staged)
         scheduled: set[int] = set()
         preempted = False
         # 1. one decode token for every sequence past its prefill

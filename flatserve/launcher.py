@@ -35,6 +35,7 @@ ENGINE_FLAGS = (
     "max_num_seqs",
     "max_num_batched_tokens",
     "max_num_encoder_patches",
+    "encoder_stage_patches",
     "decode_share",
     "block_size",
     "enable_prefix_caching",

@@ -34,12 +34,16 @@ class EngineConfig:
     max_num_seqs: int = opt(64, "most sequences in one batch")
     max_num_batched_tokens: int = opt(8192, "token budget of one step (chunked prefill)")
     max_num_encoder_patches: int = opt(
-        4096, "vision patches one step may encode (a larger image is encoded in stages, one "
-        "per step, the vision tower cut at its full-attention blocks)")
+        4096, "vision patches one step may encode over several images (a step's first image "
+        "is encoded whatever its size)")
+    encoder_stage_patches: int = opt(
+        16384, "an image of more vision patches is encoded in stages, one per step, the "
+        "vision tower cut at its full-attention blocks (keeps decodes going beside huge "
+        "images)")
     decode_share: float = opt(
-        0.05, "after a step that ran the vision tower, decode-only steps run until they took "
-        "this share of its time, so running requests keep decoding through a burst of images "
-        "(0: off)")
+        0.0, "after a step that ran the vision tower, decode-only steps run until they took "
+        "this share of its time: running requests decode faster through a burst of images, "
+        "and new ones wait longer for their first token (0: off)")
     max_model_len: int = opt(0, "prompt + completion token limit (0: the model's own)",
                              parse=parse_human_int)
     block_size: int = opt(16, "tokens per KV cache block")
@@ -97,6 +101,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_num_encoder_patches",
+                     "encoder_stage_patches",
                      "block_size", "max_waiting", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

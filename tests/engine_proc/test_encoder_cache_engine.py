@@ -103,7 +103,7 @@ def test_a_cached_image_skips_the_tower_and_its_pixels_go_at_add(tiny_model_path
 
 
 def test_staged_encoding_fills_the_cache_too(tiny_model_path, config):
-    engine = make_engine(tiny_model_path, max_num_encoder_patches=8)
+    engine = make_engine(tiny_model_path, max_num_encoder_patches=8, encoder_stage_patches=8)
     counts = count_encodes(engine)
     first = engine.generate([request(config, "a", 1)])
     second = engine.generate([request(config, "b", 1)])

@@ -335,7 +335,7 @@ def test_an_image_over_the_encoder_budget_is_encoded_in_stages(model_path, confi
     # a 16-patch budget: the 6x8-unit image runs through the tower's stages (two for
     # Qwen2.5-VL's, four for a full-attention tower) in steps of its own before its chunk;
     # the tokens are the same
-    engine = make_engine(model_path, max_num_encoder_patches=16, max_num_seqs=4)
+    engine = make_engine(model_path, max_num_encoder_patches=16, encoder_stage_patches=16, max_num_seqs=4)
     assert engine.model_runner.model.num_vision_stages >= 2
     segments = [5, (6, 8), 7]
     requests = [make_request(config, "big", segments), make_request(config, "text", TEXT, 1)]
@@ -347,7 +347,7 @@ def test_an_image_over_the_encoder_budget_is_encoded_in_stages(model_path, confi
 def test_decode_only_steps_between_vision_stages_keep_the_tokens(model_path, config, reference):
     # a decode share of 1: after each vision stage, decode-only steps run for as long as the
     # stage did; the text request decodes through them, and nothing changes in the tokens
-    engine = make_engine(model_path, max_num_encoder_patches=16, max_num_seqs=4,
+    engine = make_engine(model_path, max_num_encoder_patches=16, encoder_stage_patches=16, max_num_seqs=4,
                          decode_share=1.0)
     kinds = []
     schedule = engine.scheduler.schedule
@@ -368,7 +368,7 @@ def test_decode_only_steps_between_vision_stages_keep_the_tokens(model_path, con
 
 
 def test_a_failing_stage_fails_its_request(tiny_model_path, tiny_config, tiny_reference):
-    engine = make_engine(tiny_model_path, max_num_encoder_patches=16)
+    engine = make_engine(tiny_model_path, max_num_encoder_patches=16, encoder_stage_patches=16)
     model = engine.model_runner.model
     original = model.encode_stage
 

@@ -96,7 +96,7 @@ def test_chunked_prefill_and_staged_encoding_match_transformers(ckpt):
     """16-token steps split the big image's placeholders (and DeepStack rows) over several
     chunks; a 16-patch encoder budget encodes it in the tower's stages first."""
     engine = make_engine(ckpt.path, max_num_batched_tokens=16, max_num_seqs=4,
-                         max_num_encoder_patches=16)
+                         max_num_encoder_patches=16, encoder_stage_patches=16)
     model = engine.model_runner.model
     assert model.num_vision_stages == 4
     stages = []

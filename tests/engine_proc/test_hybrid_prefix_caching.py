@@ -142,7 +142,8 @@ def test_a_hit_that_ends_inside_an_image_encoded_in_stages(dense):
     from tests.engine_proc.test_tensor_parallel import generate
 
     path, config = dense
-    engine = make_engine(path, encoder_cache_bytes=0, max_num_encoder_patches=8)
+    engine = make_engine(path, encoder_cache_bytes=0, max_num_encoder_patches=8,
+                         encoder_stage_patches=8)
     ids, images = make_prompt(config, [10, (4, 4), 3], 7)
     sampling = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     first, first_logits = generate(engine, [AddRequest("a", ids, sampling, images)])

@@ -154,6 +154,7 @@ def test_a_hit_ending_inside_an_image(engines, config, encoder_patches):
     image_start, image_end = 6, 6 + 16
     # no encoder cache: the second request must encode the image again (the case tested)
     kw = dict(max_num_batched_tokens=12, max_num_seqs=4, max_num_encoder_patches=encoder_patches,
+              encoder_stage_patches=encoder_patches,
               encoder_cache_bytes=0)
     on = make_engine_like(engines, True, **kw)
     counter = EncodeCounter(on)

@@ -89,7 +89,7 @@ def test_embeddings_die_right_after_the_last_chunk_covering_the_image(tiny_model
 
 def test_an_image_encoded_in_stages_holds_one_thing_at_a_time(tiny_model_path, config):
     # a 16-patch budget: the 168x224 image (192 patches) runs one tower stage per step
-    engine = make_engine(tiny_model_path, max_num_encoder_patches=16)
+    engine = make_engine(tiny_model_path, max_num_encoder_patches=16, encoder_stage_patches=16)
     pixel_refs = hand_over(engine, image_request(config, "a", [(168, 224)]))
     image = engine.seqs["a"].images[0]
     engine.step()  # the text before the image, and the first stage

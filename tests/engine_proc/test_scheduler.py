@@ -320,6 +320,27 @@ def test_an_image_over_the_budget_is_encoded_in_stages_ahead_of_its_chunk():
     assert a.is_finished and b.is_finished and b.images[0].released
 
 
+def test_an_image_under_the_stage_threshold_is_encoded_whole_one_per_step():
+    # 4-patch images over a 2-patch budget, a tower in 2 stages, stages only over 4 patches:
+    # each image is encoded whole, alone in its step, in arrival order, beside the decodes
+    sched = make_scheduler(max_num_batched_tokens=64, max_num_encoder_patches=2,
+                           encoder_stage_patches=4, num_encoder_stages=2)
+    a, b = make_seq(6, images=[(1, 1)]), make_seq(6, images=[(1, 1)])
+    sched.add(a)
+    sched.add(b)
+    batch, _ = step(sched)  # a whole, b up to its image
+    assert batch.num_new_tokens == [6, 1] and batch.encoder_stage is None
+    assert a.images[0].released
+    batch, _ = step(sched)  # a decodes; b's image whole
+    assert batch.seqs == [a, b] and batch.num_new_tokens == [1, 5]
+    assert batch.encoder_stage is None and b.images[0].released
+    over = make_seq(6, images=[(1, 1)])
+    sched.encoder_stage_patches = 3
+    sched.add(over)
+    step(sched)
+    assert over.images[0].hidden is not None  # over the threshold: its first stage ran
+
+
 def test_finishing_a_request_mid_stages_frees_its_image_and_moves_on():
     sched = make_scheduler(max_num_batched_tokens=64, max_num_encoder_patches=2,
                            num_encoder_stages=3)
