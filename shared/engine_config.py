@@ -37,7 +37,7 @@ class EngineConfig:
         4096, "vision patches one step may encode over several images (a step's first image "
         "is encoded whatever its size)")
     encoder_stage_patches: int = opt(
-        16384, "an image of more vision patches is encoded in stages, one per step, the "
+        8192, "an image of more vision patches is encoded in stages, one per step, the "
         "vision tower cut at its full-attention blocks (keeps decodes going beside huge "
         "images)")
     decode_share: float = opt(
