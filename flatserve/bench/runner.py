@@ -169,9 +169,12 @@ def run_rounds(config: BenchConfig) -> list[tuple[BenchResult, BenchResult | Non
             if peer is None:
                 rounds.append((measure(round_config, this), None))
                 continue
-            order = (this, peer) if r % 2 == 0 else (peer, this)
-            results = {target.label: measure(round_config, target) for target in order}
-            rounds.append((results[this.label], results[peer.label]))
+            if r % 2 == 0:
+                first = measure(round_config, this)
+                rounds.append((first, measure(round_config, peer)))
+            else:
+                first = measure(round_config, peer)
+                rounds.append((measure(round_config, this), first))
         return rounds
 
 
