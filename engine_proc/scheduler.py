@@ -110,9 +110,9 @@ class _EncoderBudget:
         one) the step can take: up to the first image it cannot encode within the budget
         (at least one image per step, however large, unless it is over the stage threshold
         and the model's tower has stages) or that is still being encoded in stages. Charges
-        the images the returned
-        chunk reaches. An image that starts before `start` but ends after it (a prefix
-        cache hit ending inside it) is encoded whole unless that happened already."""
+        the images the returned chunk reaches. An image that starts before `start` but ends
+        after it (a prefix cache hit ending inside it) is encoded whole unless that happened
+        already."""
         for image in seq.images:
             if image.offset >= start + num_new:
                 break

@@ -83,8 +83,8 @@ def _start_server(config: BenchConfig, stack: contextlib.ExitStack) -> tuple[str
     server = ManagedServer(config, config.server_log_path())
     _log(f"starting {' '.join(server.command)} (log: {server.log_path})")
     stack.enter_context(server)
-    key = config.api_key or passthrough_value(config.server_args, "--api-key")
-    return server.url, ({"Authorization": f"Bearer {key}"} if key else {})
+    return server.url, _bearer(config.api_key
+                               or passthrough_value(config.server_args, "--api-key"))
 
 
 @dataclass(frozen=True)
