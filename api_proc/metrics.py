@@ -95,12 +95,21 @@ class Metrics:
         self.image_resubmits = Counter(
             "flatserve_image_resubmits", "Requests sent again with pixels: the engine had "
             "evicted an image sent without them", registry=r)
+        self.unknown_keys = Counter(
+            "flatserve_unknown_keys_ignored", "Keys inside chat messages, content parts and "
+            "their tool calls that the server does not know, ignored as vLLM ignores them",
+            ["where"], registry=r)
         self.engine_restarts = Counter(
             "flatserve_engine_restarts", "Engines spawned again after they died", registry=r)
         r.register(EngineStatsCollector(engine_stats, model_name))
 
     def count_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
+
+    def count_unknown_key(self, where: str) -> None:
+        """An ignored key inside a message ("message"), a content part ("part") or a tool
+        call of a message ("tool_call")."""
+        self.unknown_keys.labels(where).inc()
 
     def count_finished(self, reason: str) -> None:
         """A request that ended without an error ("stop", "length", "abort", ...)."""

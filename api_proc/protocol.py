@@ -34,45 +34,72 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class _MessageItem(BaseModel):
+    """Inside a message: keys the server does not know are kept aside (model_extra) and
+    ignored, as vLLM does (agent frameworks add their own); serving.py logs and counts
+    their names (unknown_keys.py). Top-level request fields stay refused by name."""
+
+    model_config = ConfigDict(extra="allow")
+
+
 # ---------------------------------------------------------------- requests
 
 
-class ImageURL(_Request):
+class ImageURL(_MessageItem):
     url: str = Field(min_length=1)
     detail: Literal["auto", "low", "high"] | None = None
 
 
-class TextPart(_Request):
+class TextPart(_MessageItem):
     type: Literal["text"]
     text: str
 
 
-class ImageURLPart(_Request):
+UUID_WITHOUT_MEDIA = (
+    "uuid without the image it names is not supported: cached images are keyed by their "
+    "content, and a key the client chooses would let one client read another's cached image; "
+    "send the image with its uuid")
+
+
+class ImageURLPart(_MessageItem):
     type: Literal["image_url"]
-    image_url: ImageURL
+    image_url: ImageURL | None = None
+    # vLLM's name for the media; accepted beside the image it names, never used as a cache
+    # key (the content hash is: shared/image_key.py)
+    uuid: str | None = Field(default=None, max_length=256)
 
     @field_validator("image_url", mode="before")
     @classmethod
-    def _bare_url(cls, v):
-        return {"url": v} if isinstance(v, str) else v
+    def _url_object(cls, v):
+        if isinstance(v, str):
+            raise ValueError('must be an object {"url": ...}, not a string (as in vLLM and '
+                             "OpenAI)")
+        return v
+
+    @model_validator(mode="after")
+    def _media_given(self):
+        if self.image_url is None:
+            raise ValueError(UUID_WITHOUT_MEDIA if self.uuid is not None
+                             else "image_url is required")
+        return self
 
 
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
 
 
-class FunctionCall(_Request):
+class FunctionCall(_MessageItem):
     name: str = Field(min_length=1)
     arguments: str  # JSON text of an object, as OpenAI writes it
 
 
-class ToolCall(_Request):
+class ToolCall(_MessageItem):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Request):
+class ChatMessage(_MessageItem):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None

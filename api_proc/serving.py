@@ -51,6 +51,7 @@ from api_proc.reasoning_parser import ReasoningParser, start_mode
 from api_proc.request_body import RequestBody
 from api_proc.tool_grammar import tool_call_constraint
 from api_proc.tool_parser import ToolCallParser, read_hermes_call
+from api_proc.unknown_keys import note_unknown_keys
 from api_proc.xml_tool_call import XmlCallReader, parameter_types
 from shared.messages import AddRequest, ImageInput
 from shared.sampling_params import SamplingParams
@@ -214,6 +215,7 @@ class Serving:
         req = _parse(ChatCompletionRequest, body.take())
         self._check_model(req.model)
         self._check_n(req.n)
+        note_unknown_keys(req.messages, self.metrics.count_unknown_key)
         refs = [MediaRef(part.image_url.url) for m in req.messages if isinstance(m.content, list)
                 for part in m.content if isinstance(part, ImageURLPart)]
         if len(refs) > self.config.limit_mm_per_prompt:

@@ -40,7 +40,7 @@ def test_chat_request_accepts_openai_shapes():
             {"role": "user", "content": [
                 {"type": "text", "text": "hi"},
                 {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA", "detail": "low"}},
-                {"type": "image_url", "image_url": "http://x/y.png"}]},
+                {"type": "image_url", "image_url": {"url": "http://x/y.png"}, "uuid": "u1"}]},
             {"role": "assistant", "content": None}],
         "max_completion_tokens": 7, "stop": "END", "stream": True,
         "stream_options": {"include_usage": True}, "frequency_penalty": 0.0, "user": "u"})
@@ -56,6 +56,8 @@ def test_chat_request_accepts_openai_shapes():
     {"messages": [{"role": "user", "content": "x"}], "top_p": 0},
     {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": ""}}]}]},
+    {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "http://x"}]}]},
+    {"messages": [{"role": "user", "content": [{"type": "image_url", "uuid": "u1"}]}]},
 ])
 def test_chat_request_refusals(body):
     with pytest.raises(ValidationError):
