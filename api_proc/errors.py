@@ -93,6 +93,7 @@ def error_response(err: HTTPError, *, close: bool = False) -> JSONResponse:
     return JSONResponse(err.to_dict(), status_code=err.status, headers=headers)
 
 
+_BOUNDS = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal"})
 # what pydantic puts in an error's location for the branch of a union it tried
 _BRANCH_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
@@ -130,6 +131,8 @@ def format_validation_errors(errors: list[dict]) -> str:
         msg = e.get("msg", "invalid").removeprefix("Value error, ")
         if e.get("type") == "extra_forbidden":
             msg = "not supported by this server"
+        elif e.get("type") in _BOUNDS:  # pydantic's name for it too, as vLLM's texts have
+            msg = f"{msg} [type={e['type']}]"
         parts.append(f"{loc}: {msg}" if loc else msg)
     if len(errors) > 8:
         parts.append(f"... and {len(errors) - 8} more")

@@ -130,6 +130,7 @@ class PromptBuilder:
         self.video_token_id = model_config.video_token_id
         self.merge_size = model_config.image.merge_size
         self.vocab_size = max(model_config.text.vocab_size, self.tokenizer.get_vocab_size())
+        self.num_logits = model_config.text.vocab_size  # the ids a model can score
         self.max_model_len = max_model_len or model_config.text.max_position_embeddings
         # No token covers more bytes than the longest vocabulary entry (byte-level BPE writes
         # one character per byte), and no character is less than a byte; twice that for what
@@ -215,9 +216,10 @@ class PromptBuilder:
             ids = self.encode(prompt)
         else:
             ids = list(prompt)
-            if any(not 0 <= t < self.vocab_size for t in ids):
-                raise BadRequest(f"prompt token ids must be in [0, {self.vocab_size})",
-                                      param="prompt")
+            outside = next((t for t in ids if not 0 <= t < self.num_logits), None)
+            if outside is not None:  # vLLM's words, which clients match
+                raise BadRequest(f"Token id {outside} is out of vocabulary (vocabulary size "
+                                 f"{self.num_logits})", param="prompt")
         return self.expand_image_tokens(ids, [])
 
     def expand_image_tokens(self, ids: list[int], image_grids: list[tuple[int, int, int]]) -> list[int]:

@@ -271,7 +271,8 @@ class _SamplingRequest(_Request):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1, lt=2**31)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)  # must fit the wire and torch
+    # vLLM's bounds (a torch.long); serving.py folds a negative seed into [0, 2**63)
+    seed: int | None = Field(default=None, ge=-2**63, le=2**63 - 1)
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=64)  # vLLM extension
     ignore_eos: bool = False  # extension
@@ -437,6 +438,9 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.max_completion_tokens or self.max_tokens
 
 
+EMPTY_PROMPT = "the decoder prompt cannot be empty"  # vLLM's words, which clients match
+
+
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     echo: bool = False
@@ -450,9 +454,9 @@ class CompletionRequest(_SamplingRequest):
     @classmethod
     def _non_empty(cls, v):
         if isinstance(v, list) and not v:
-            raise ValueError("prompt must not be empty")
+            raise ValueError(EMPTY_PROMPT)
         if isinstance(v, list) and isinstance(v[0], list) and any(not p for p in v):
-            raise ValueError("token prompts must not be empty")
+            raise ValueError(EMPTY_PROMPT)
         return v
 
     @model_validator(mode="after")

@@ -42,6 +42,7 @@ from api_proc.media_loader import EncodedImage, MediaLoader, MediaRef
 from api_proc.metrics import Metrics
 from api_proc.prompt_builder import LONG_TEXT_CHARS, PromptBuilder, template_messages, text_chars
 from api_proc.protocol import (
+    EMPTY_PROMPT,
     ChatCompletionRequest,
     CompletionRequest,
     ImageURLPart,
@@ -145,6 +146,7 @@ class Serving:
             field = req.logprobs_field
             raise BadRequest(f"{field}: {req.logprobs} log-probabilities per token asked; at "
                              f"most max_logprobs={self.config.max_logprobs}", param=field)
+        self._check_logit_bias(req.logit_bias)
         defaults = self.defaults
         top_k = defaults.get("top_k", 0) if req.top_k is None else req.top_k
         try:
@@ -168,6 +170,14 @@ class Serving:
         except ValueError as e:
             message = str(e)
         raise BadRequest(message)
+
+    def _check_logit_bias(self, bias: dict[str, float] | None) -> None:
+        size = self.builder.num_logits
+        outside = sorted(int(t) for t in bias or () if int(t) >= size)
+        if outside:
+            shown = ", ".join(map(str, outside[:8])) + (", ..." if len(outside) > 8 else "")
+            raise BadRequest(f"logit_bias has out-of-vocab token ids [{shown}]: the vocabulary "
+                             f"size is {size}", param="logit_bias")
 
     def _tool_settings(self, req: ChatCompletionRequest, settings: _RequestSettings
                        ) -> _RequestSettings:
@@ -284,7 +294,7 @@ class Serving:
             ids_per_prompt = [self.builder.build_completion(p) for p in prompts]
         for ids in ids_per_prompt:
             if not ids:
-                raise BadRequest("prompt is empty", param="prompt")
+                raise BadRequest(EMPTY_PROMPT, param="prompt")
             self.builder.resolve_max_tokens(len(ids), requested)
         prompt_ids, sampling = [], []
         for ids in ids_per_prompt:

@@ -85,7 +85,7 @@ def test_validation_messages_leave_the_input_out():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("seed", 2**64), ("seed", -1), ("top_k", 2**40), ("stop_token_ids", [2**40]),
+    ("seed", 2**63), ("seed", -2**63 - 1), ("top_k", 2**40), ("stop_token_ids", [2**40]),
     ("stop_token_ids", [-1]), ("presence_penalty", 2.5), ("frequency_penalty", -3),
     ("repetition_penalty", 0), ("repetition_penalty", 2.5), ("min_tokens", -1),
     ("logit_bias", {"x": 1}), ("logit_bias", {"-1": 1}), ("logit_bias", {"5": 101}),
