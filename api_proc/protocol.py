@@ -480,10 +480,23 @@ class UsageInfo(_Body):
     total_tokens: int = 0
 
 
+class MadeFunctionCall(_Body):
+    name: str  # "" when a forced call was cut before its name was written
+    arguments: str
+
+
+class MadeToolCall(_Body):
+    """A call the model made (a request's ToolCall is one it made before)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: MadeFunctionCall
+
+
 class ChatCompletionMessage(_Body):
     role: Literal["assistant"] = "assistant"
     content: str | None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: list[MadeToolCall] = Field(default_factory=list)  # vLLM's: [] without calls
     # --reasoning-parser: the text the model thought, under vLLM's new name and its old one
     reasoning: str | None = None
     reasoning_content: str | None = None

@@ -328,7 +328,9 @@ def _message(c: Choice) -> ChatCompletionMessage:
     if c.output is None:
         return ChatCompletionMessage(content=text)
     reasoning, content, calls = assemble([*c.output.feed(text), *c.output.finish()])
-    return ChatCompletionMessage(content=content, tool_calls=calls or None, reasoning=reasoning,
+    if content is None and c.output.calls_only:
+        content = ""  # vLLM's message for tool_choice required or named
+    return ChatCompletionMessage(content=content, tool_calls=calls, reasoning=reasoning,
                                  reasoning_content=reasoning)
 
 

@@ -51,7 +51,7 @@ from api_proc.protocol import (
 from api_proc.reasoning_parser import ReasoningParser, start_mode
 from api_proc.request_body import RequestBody
 from api_proc.tool_grammar import tool_call_constraint
-from api_proc.tool_parser import ToolCallParser, read_hermes_call
+from api_proc.tool_parser import ToolCallParser, read_cut_hermes_call, read_hermes_call
 from api_proc.unknown_keys import note_unknown_keys
 from api_proc.xml_tool_call import XmlCallReader, parameter_types
 from shared.messages import AddRequest, ImageInput
@@ -197,7 +197,8 @@ class Serving:
                                        parallel_tool_calls=parallel)
         # auto: text is free until a call starts; required, named: a call from the start
         return dataclasses.replace(settings, structured=structured, parse_tool_calls=True,
-                                   parallel_tool_calls=parallel, constrained=mode != "auto")
+                                   parallel_tool_calls=parallel, constrained=mode != "auto",
+                                   named_function=named)
 
     def _output_parsers(self, settings: _RequestSettings, tools: list[dict] | None,
                         start: str | None) -> Callable[[], ChatOutputParser] | None:
@@ -206,15 +207,22 @@ class Serving:
         reasoning = self.config.reasoning_parser
         if reasoning is None and not settings.parse_tool_calls:
             return None
-        read_call = read_hermes_call
+        read_call, read_cut_call = read_hermes_call, read_cut_hermes_call
         if settings.parse_tool_calls and self.config.tool_call_parser == "qwen3_coder":
             read_call = XmlCallReader(parameter_types(tools or []))
+            read_cut_call = read_call.cut
+        named = settings.named_function
+        if named is not None:  # cut before its name was whole: the name is known
+            read_cut_call = functools.partial(_named_cut, named, read_cut_call)
+        if not (settings.parse_tool_calls and settings.constrained):
+            read_cut_call = None  # text is free: a cut call stays text
         parallel = settings.parallel_tool_calls
 
         def make() -> ChatOutputParser:
             return ChatOutputParser(
                 None if reasoning is None else ReasoningParser.create(reasoning, start),
-                ToolCallParser(parallel, read_call) if settings.parse_tool_calls else None)
+                ToolCallParser(parallel, read_call, read_cut_call) if settings.parse_tool_calls
+                else None)
         return make
 
     def _check_n(self, n: int) -> None:
@@ -440,6 +448,11 @@ class Serving:
             work.add_done_callback(lambda f: (_retrieve(f), left.release()))
             raise
 
+def _named_cut(name: str, read_cut_call: Callable[[str], tuple[str, str]],
+               body: str) -> tuple[str, str]:
+    return name, read_cut_call(body)[1]
+
+
 def _retrieve(fut: asyncio.Future) -> None:
     """Mark a future's exception as seen (its request is gone; the error is moot)."""
     if not fut.cancelled():
@@ -473,6 +486,7 @@ class _RequestSettings:
     parse_tool_calls: bool = False  # chat with a tool choice other than none
     parallel_tool_calls: bool = True
     constrained: bool = False  # a grammar governs the output from its first token
+    named_function: str | None = None  # tool_choice names this function
 
     @classmethod
     def of(cls, req) -> _RequestSettings:
