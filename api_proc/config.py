@@ -213,6 +213,13 @@ class ApiConfig:
     reasoning_parser: str | None = opt(
         None, "read the model's <think>...</think> out of chat completions into "
         "message.reasoning (and reasoning_content)", choices=REASONING_PARSERS)
+    return_tokens_as_token_ids: bool = opt(
+        False, "write log-probability tokens as 'token_id:ID' (a request's "
+        "return_tokens_as_token_ids overrides it), as vLLM does")
+    enable_server_load_tracking: bool = opt(
+        False, "count the requests being served, for GET /load (vLLM's server_load)")
+    uds: str | None = opt(None, "listen on this Unix domain socket instead of --host and "
+                                "--port (vLLM's --uds)")
     default_chat_template_kwargs: str | None = opt(
         None, "chat template variables for every chat request, a JSON object such as "
         "'{\"enable_thinking\": false}'; a request's chat_template_kwargs override them",

@@ -26,32 +26,37 @@ class LogprobsFormatter:
     def __init__(self, decoder: TokenDecoder) -> None:
         self.decoder = decoder
 
-    def _token(self, token_id: int) -> tuple[str, list[int]]:
+    def _token(self, token_id: int, as_id: bool = False) -> tuple[str, list[int]]:
         raw = self.decoder.token_bytes(token_id)
+        if as_id:  # vLLM's return_tokens_as_token_ids: the bytes stay the token's own
+            return f"token_id:{token_id}", list(raw)
         return raw.decode("utf-8", errors="replace"), list(raw)
 
-    def chat_content(self, token_ids: list[int], logprobs: list) -> list[dict]:
-        """Entries of `choices[].logprobs.content`, one per token."""
+    def chat_content(self, token_ids: list[int], logprobs: list,
+                     as_ids: bool = False) -> list[dict]:
+        """Entries of `choices[].logprobs.content`, one per token; `as_ids`: tokens
+        written "token_id:ID"."""
         entries = []
         for token_id, (lp, top_ids, top_values) in zip(token_ids, logprobs, strict=True):
-            text, raw = self._token(token_id)
+            text, raw = self._token(token_id, as_ids)
             top = []
             for i, v in zip(top_ids, top_values, strict=True):
-                t, b = self._token(i)
+                t, b = self._token(i, as_ids)
                 top.append({"token": t, "logprob": _finite(v), "bytes": b})
             entries.append({"token": text, "logprob": _finite(lp), "bytes": raw,
                             "top_logprobs": top})
         return entries
 
-    def completion(self, token_ids: list[int], logprobs: list, offset: int) -> dict:
+    def completion(self, token_ids: list[int], logprobs: list, offset: int,
+                   as_ids: bool = False) -> dict:
         """A completion choice's `logprobs` for these tokens; `offset`: the completion's
         length in characters before them (text_offset counts from there)."""
         tokens, token_logprobs, tops, offsets = [], [], [], []
         for token_id, (lp, top_ids, top_values) in zip(token_ids, logprobs, strict=True):
-            text, _ = self._token(token_id)
+            text, _ = self._token(token_id, as_ids)
             tokens.append(text)
             token_logprobs.append(_finite(lp))
-            tops.append({self._token(i)[0]: _finite(v)
+            tops.append({self._token(i, as_ids)[0]: _finite(v)
                          for i, v in zip(top_ids, top_values, strict=True)})
             offsets.append(offset)
             offset += len(text)

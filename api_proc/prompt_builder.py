@@ -107,6 +107,24 @@ def _has_tool_turns(messages: list[dict]) -> bool:
     return any(m["role"] == "tool" or "tool_calls" in m for m in messages)
 
 
+def _cut_after_final_message(text: str, messages: list[dict]) -> str:
+    """`text` up to the end of the last message's text, as transformers cuts it for
+    continue_final_message; 400 when the template did not write that text."""
+    final = messages[-1]["content"] if messages else ""
+    if isinstance(final, list):
+        final = next((p["text"] for p in reversed(final) if p.get("type") == "text"), None)
+        if final is None:
+            raise BadRequest("continue_final_message: the final message has no text to "
+                             "continue", param="continue_final_message")
+    at = text.rfind(final.strip()) if final.strip() else -1
+    if at < 0:
+        raise BadRequest("continue_final_message: the chat template does not write the "
+                         "final message's text", param="continue_final_message")
+    if text[at:at + len(final.lstrip())] == final.lstrip():  # the template kept its spacing
+        return text[:at + len(final.lstrip())]
+    return text[:at + len(final.strip())]
+
+
 class PromptBuilder:
     def __init__(self, folder: str | Path, model_config: ModelConfig, max_model_len: int = 0,
                  chat_template: str | Path | None = None):
@@ -160,10 +178,19 @@ class PromptBuilder:
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None,
-                    template_kwargs: dict | None = None) -> str:
+                    template_kwargs: dict | None = None,
+                    continue_final_message: bool = False) -> str:
         """The conversation as text; `tools`: OpenAI tool definitions (as dicts);
         `template_kwargs`: extra template variables (chat_template_kwargs), never one of
-        the template's own (protocol.TEMPLATE_OWN_NAMES: refused before this)."""
+        the template's own (protocol.TEMPLATE_OWN_NAMES: refused before this);
+        `continue_final_message`: the text ends inside the last message, which the model
+        goes on writing (vLLM's and transformers' meaning)."""
+        text = self._render(messages, add_generation_prompt and not continue_final_message,
+                            tools, template_kwargs)
+        return _cut_after_final_message(text, messages) if continue_final_message else text
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool,
+                tools: list[dict] | None, template_kwargs: dict | None) -> str:
         template = self._template
         variables = dict(template_kwargs or {})
         if tools or _has_tool_turns(messages):

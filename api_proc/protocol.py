@@ -100,7 +100,9 @@ class ToolCall(_MessageItem):
 
 
 class ChatMessage(_MessageItem):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # system, developer, user, assistant, tool, or any other: vLLM passes the role to the
+    # chat template, which renders it or refuses it (400)
+    role: str = Field(min_length=1, max_length=64)
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant messages: the calls it made
@@ -298,6 +300,8 @@ class _SamplingRequest(_Request):
         default=None, min_length=1, max_length=1024)
     guided_grammar: str | None = Field(default=None, max_length=MAX_CONSTRAINT_CHARS)
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's: log-probability tokens written "token_id:ID" (also --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: bool | None = None
 
     @field_validator("stop")
     @classmethod
@@ -363,15 +367,13 @@ class _SamplingRequest(_Request):
         return next((value for _, value in self._constraints() if value is not None), None)
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatPromptFields(_Request):
+    """What makes a chat prompt (vLLM's extensions beside messages and tools)."""
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
-    # None: "auto" when tools are given, "none" otherwise (OpenAI's defaults)
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # None: true, OpenAI's default
+    # vLLM's: the assistant turn's opening is written, or the last message is continued
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     # vLLM extension: extra variables of the chat template (enable_thinking, ...)
     chat_template_kwargs: dict[str, JsonValue] | None = None
 
@@ -379,6 +381,27 @@ class ChatCompletionRequest(_SamplingRequest):
     @classmethod
     def _template_kwargs(cls, v):
         return None if v is None else check_template_kwargs(v)
+
+    @model_validator(mode="after")
+    def _continue_or_open(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both "
+                             "be true: the model either continues the final message or opens "
+                             "a new one (set add_generation_prompt: false)")
+        return self
+
+
+class ChatCompletionRequest(ChatPromptFields, _SamplingRequest):
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    # None: "auto" when tools are given, "none" otherwise (OpenAI's defaults)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # None: true, OpenAI's default
+    # vLLM's: the response starts with the final message's content when it is the
+    # assistant's (with continue_final_message, the text being continued)
+    echo: bool = False
 
     @field_validator("tools")
     @classmethod
@@ -401,7 +424,11 @@ class ChatCompletionRequest(_SamplingRequest):
 
     @model_validator(mode="after")
     def _tools_or_constraint(self):
-        if self.tools_constrain_output and self._constraints_given():
+        given = self._constraints_given()
+        if self.tool_choice_mode in ("required", "named") and given == ["response_format"]:
+            # vLLM's: the calls' grammar governs the output, whose content is "" then
+            return self
+        if self.tools_constrain_output and given:
             raise ValueError(f"tool_choice {self.tool_choice_mode!r} constrains the output "
                              "(tool_grammar.py); it cannot go with "
                              f"{', '.join(self._constraints_given())}")
@@ -469,6 +496,41 @@ class CompletionRequest(_SamplingRequest):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+
+class BatchChatCompletionRequest(ChatCompletionRequest):
+    """POST /v1/chat/completions/batch (vLLM's): `messages` is a list of conversations, each
+    answered by one choice of one response (not streamed; n 1)."""
+
+    messages: list[Annotated[list[ChatMessage], Field(min_length=1)]] = Field(min_length=1)
+    stream: Literal[False] = False
+    n: Literal[1] = 1
+
+
+class TokenizeCompletionRequest(_Request):
+    """POST /tokenize with a prompt (vLLM's)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(ChatPromptFields):
+    """POST /tokenize with messages (vLLM's): the chat prompt's ids, images expanded."""
+
+    model: str | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+MAX_DETOKENIZE_IDS = 1 << 20
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[TokenId] = Field(max_length=MAX_DETOKENIZE_IDS)
 
 
 # ---------------------------------------------------------------- responses
@@ -609,6 +671,8 @@ class ModelCard(_Body):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "flatserve"
+    root: str | None = None  # vLLM's: the model folder the name stands for
+    parent: str | None = None  # vLLM's: a LoRA adapter's base model (none here)
     max_model_len: int | None = None
 
 

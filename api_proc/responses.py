@@ -124,7 +124,7 @@ class StreamedResponse(Response):
             for c in p.choices:
                 if p.kind == "chat":
                     out(w._chunk(p, c.index, None, None))
-                elif c.echo:
+                if c.echo:
                     out(w._chunk(p, c.index, c.echo, None))
             outputs.start()
             watcher = asyncio.ensure_future(wait_for_disconnect(receive))
@@ -173,7 +173,7 @@ class ResponseWriter:
     async def collect(self, p: Prepared) -> dict:
         """Run a non-streaming request to the end; the OpenAI response body."""
         for c in p.choices:
-            if c.echo:
+            if c.echo and p.kind == "completion":  # chat: before the message's content
                 c.texts.append(c.echo)
         outputs = _Outputs(self, p, functools.partial(self._gather, p))
         outputs.start()
@@ -230,9 +230,9 @@ class ResponseWriter:
         lp = None
         if out.logprobs and ids:
             if p.kind == "chat":
-                lp = self.logprobs.chat_content(ids, out.logprobs)
+                lp = self.logprobs.chat_content(ids, out.logprobs, p.tokens_as_ids)
             else:
-                lp = self.logprobs.completion(ids, out.logprobs, c.num_chars)
+                lp = self.logprobs.completion(ids, out.logprobs, c.num_chars, p.tokens_as_ids)
                 c.num_chars += sum(len(t) for t in lp["tokens"])
         text = c.detok.step(ids)
         finish = out.finish_reason
@@ -326,10 +326,12 @@ def _finish_reason(c: Choice) -> str | None:
 def _message(c: Choice) -> ChatCompletionMessage:
     text = "".join(c.texts)
     if c.output is None:
-        return ChatCompletionMessage(content=text)
+        return ChatCompletionMessage(content=c.echo + text)
     reasoning, content, calls = assemble([*c.output.feed(text), *c.output.finish()])
     if content is None and c.output.calls_only:
         content = ""  # vLLM's message for tool_choice required or named
+    if c.echo:
+        content = c.echo + (content or "")
     return ChatCompletionMessage(content=content, tool_calls=calls, reasoning=reasoning,
                                  reasoning_content=reasoning)
 

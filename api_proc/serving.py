@@ -43,9 +43,13 @@ from api_proc.metrics import Metrics
 from api_proc.prompt_builder import LONG_TEXT_CHARS, PromptBuilder, template_messages, text_chars
 from api_proc.protocol import (
     EMPTY_PROMPT,
+    BatchChatCompletionRequest,
     ChatCompletionRequest,
+    ChatMessage,
+    ChatPromptFields,
     CompletionRequest,
     ImageURLPart,
+    TextPart,
     UsageInfo,
 )
 from api_proc.reasoning_parser import ReasoningParser, start_mode
@@ -91,6 +95,7 @@ class Prepared:
     arrival: float
     first_token_at: float | None = None
     reasoning: bool = False  # a reasoning parser reads the choices (messages carry its fields)
+    tokens_as_ids: bool = False  # log-probability tokens written "token_id:ID"
 
     @property
     def usage(self) -> UsageInfo:
@@ -99,7 +104,7 @@ class Prepared:
                          total_tokens=self.num_prompt_tokens + completion)
 
 
-def _parse(model: type[pydantic.BaseModel], body: bytes):
+def parse_body(model: type[pydantic.BaseModel], body: bytes):
     try:
         return model.model_validate_json(body)
     except pydantic.ValidationError as e:
@@ -134,7 +139,7 @@ class Serving:
 
     # ------------------------------------------------------------------ preparing
 
-    def _check_model(self, name: str | None) -> None:
+    def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.config.served_model_name:
             raise NotFound(f"model {name!r} does not exist; this server serves "
                                 f"{self.config.model_name!r}", param="model",
@@ -230,9 +235,74 @@ class Serving:
             raise BadRequest(f"n is {n}; at most max_n={self.config.max_n}", param="n")
 
     async def prepare_chat(self, body: RequestBody, arrival: float) -> Prepared:
-        req = _parse(ChatCompletionRequest, body.take())
-        self._check_model(req.model)
+        # the request model goes straight into _prepare_chat, which drops it (R1)
+        return await self._prepare_chat(self._parse_chat(body), body, arrival)
+
+    def _parse_chat(self, body: RequestBody) -> ChatCompletionRequest:
+        req = parse_body(ChatCompletionRequest, body.take())
+        self.check_model(req.model)
         self._check_n(req.n)
+        return req
+
+    async def _prepare_chat(self, req: ChatCompletionRequest, body: RequestBody,
+                            arrival: float, rid: str | None = None) -> Prepared:
+        spec, refs = self.chat_prompt_spec(req)
+        requested = req.requested_max_tokens
+        settings = self._tool_settings(req, _RequestSettings.of(req))
+        echo = _echo_text(req.messages[-1]) if req.echo else ""
+        req = None  # R1: the model held the base64 strings; only the MediaRefs do now
+        if not refs:
+            body.release()  # parsed: no image will need the body's bytes
+
+        encoded = await _settle([self.loader.fetch(ref) for ref in refs])
+        refs = None
+        grids = [e.grid_thw for e in encoded]
+        prompt_ids, prompt_end = await self.chat_prompt_ids(spec, grids)
+        parser = self.config.reasoning_parser
+        start = parser and start_mode(parser, prompt_end, spec.template_kwargs,
+                                      settings.constrained)
+        make_output = self._output_parsers(settings, spec.tools, start)
+        max_tokens = self.builder.resolve_max_tokens(len(prompt_ids), requested)
+        sampling = [self._sampling(settings, max_tokens, i) for i in range(settings.n)]
+        rid = rid or f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await self._hand_off(rid, [prompt_ids] * settings.n, sampling, encoded,
+                                       body.reservation)
+        encoded = None
+        prepared = self._prepared("chat", rid, arrival, settings, len(prompt_ids), streams,
+                                  make_output)
+        for choice in prepared.choices:
+            choice.echo = echo
+        return prepared
+
+    async def prepare_chat_batch(self, body: RequestBody, arrival: float) -> Prepared:
+        """POST /v1/chat/completions/batch (vLLM's): one choice per conversation, in order,
+        in one chat completion."""
+        req = parse_body(BatchChatCompletionRequest, body.take())
+        self.check_model(req.model)
+        if len(req.messages) > self.config.max_n:
+            raise BadRequest(f"{len(req.messages)} conversations; at most max_n="
+                             f"{self.config.max_n}", param="messages")
+        conversations, req.messages = req.messages, []
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        parts: list[Prepared] = []
+        try:
+            for i in range(len(conversations)):
+                # R1: each conversation's model goes straight into _prepare_chat
+                parts.append(await self._prepare_chat(
+                    _conversation_request(req, conversations, i), body, arrival, f"{rid}-{i}"))
+        except BaseException:
+            for part in parts:
+                for c in part.choices:
+                    c.stream.abort()
+            raise
+        choices = [c for part in parts for c in part.choices]
+        for i, c in enumerate(choices):
+            c.index = i
+        return dataclasses.replace(parts[0], id=rid, choices=choices,
+                                   num_prompt_tokens=sum(p.num_prompt_tokens for p in parts))
+
+    def chat_prompt_spec(self, req: ChatPromptFields) -> tuple[ChatPromptSpec, list[MediaRef]]:
+        """What renders a request's chat prompt, and its images to fetch."""
         note_unknown_keys(req.messages, self.metrics.count_unknown_key)
         refs = [MediaRef(part.image_url.url) for m in req.messages if isinstance(m.content, list)
                 for part in m.content if isinstance(part, ImageURLPart)]
@@ -245,42 +315,29 @@ class Serving:
         self.builder.check_prompt_chars(num_chars, "messages")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         template_kwargs = {**self.config.template_defaults, **(req.chat_template_kwargs or {})}
-        requested = req.requested_max_tokens
-        settings = self._tool_settings(req, _RequestSettings.of(req))
-        req = None  # R1: the model held the base64 strings; only the MediaRefs do now
-        if not refs:
-            body.release()  # parsed: no image will need the body's bytes
+        return ChatPromptSpec(messages, tools, template_kwargs, req.add_generation_prompt,
+                              req.continue_final_message, num_chars), refs
 
-        encoded = await _settle([self.loader.fetch(ref) for ref in refs])
-        refs = None
-        grids = [e.grid_thw for e in encoded]
-        build = functools.partial(self._chat_prompt, messages, grids, tools, template_kwargs)
-        if num_chars > LONG_TEXT_CHARS:
-            prompt_ids, prompt_end = await asyncio.to_thread(build)
-        else:
-            prompt_ids, prompt_end = build()
-        parser = self.config.reasoning_parser
-        start = parser and start_mode(parser, prompt_end, template_kwargs, settings.constrained)
-        make_output = self._output_parsers(settings, tools, start)
-        max_tokens = self.builder.resolve_max_tokens(len(prompt_ids), requested)
-        sampling = [self._sampling(settings, max_tokens, i) for i in range(settings.n)]
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self._hand_off(rid, [prompt_ids] * settings.n, sampling, encoded,
-                                       body.reservation)
-        encoded = None
-        return self._prepared("chat", rid, arrival, settings, len(prompt_ids), streams,
-                              make_output)
+    async def chat_prompt_ids(self, spec: ChatPromptSpec,
+                              grids: list[tuple[int, int, int]]) -> tuple[list[int], str]:
+        """The prompt's token ids (images expanded), and the end of its text (where
+        thinking may be open); long prompts are built off the event loop."""
+        build = functools.partial(self._chat_prompt, spec, grids)
+        if spec.num_chars > LONG_TEXT_CHARS:
+            return await asyncio.to_thread(build)
+        return build()
 
-    def _chat_prompt(self, messages: list[dict], grids: list[tuple[int, int, int]],
-                     tools: list[dict] | None, template_kwargs: dict) -> tuple[list[int], str]:
-        """The prompt's token ids, and the end of its text (where thinking may be open)."""
-        text = self.builder.render_chat(messages, tools=tools, template_kwargs=template_kwargs)
+    def _chat_prompt(self, spec: ChatPromptSpec,
+                     grids: list[tuple[int, int, int]]) -> tuple[list[int], str]:
+        text = self.builder.render_chat(
+            spec.messages, spec.add_generation_prompt, spec.tools, spec.template_kwargs,
+            spec.continue_final_message)
         return self.builder.prompt_ids(text, grids), text[-64:]
 
     async def prepare_completion(self, body: RequestBody, arrival: float) -> Prepared:
-        req = _parse(CompletionRequest, body.take())
+        req = parse_body(CompletionRequest, body.take())
         body.release()  # parsed: the prompts are all that is left of the body
-        self._check_model(req.model)
+        self.check_model(req.model)
         self._check_n(req.n)
         prompts = req.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -333,7 +390,9 @@ class Serving:
                         model=self.config.model_name, stream=settings.stream,
                         include_usage=settings.include_usage,
                         num_prompt_tokens=num_prompt_tokens, choices=choices, arrival=arrival,
-                        reasoning=kind == "chat" and self.config.reasoning_parser is not None)
+                        reasoning=kind == "chat" and self.config.reasoning_parser is not None,
+                        tokens_as_ids=self.config.return_tokens_as_token_ids
+                        if settings.tokens_as_ids is None else settings.tokens_as_ids)
 
     async def _hand_off(self, rid: str, prompt_ids: list[list[int]],
                         sampling: list[SamplingParams], encoded: list[EncodedImage],
@@ -460,6 +519,34 @@ def _retrieve(fut: asyncio.Future) -> None:
 
 
 @dataclass(frozen=True)
+class ChatPromptSpec:
+    """A chat request's prompt as the template renders it (no image data: markers only)."""
+
+    messages: list[dict]
+    tools: list[dict] | None
+    template_kwargs: dict
+    add_generation_prompt: bool
+    continue_final_message: bool
+    num_chars: int  # of the messages' text
+
+
+def _conversation_request(batch: BatchChatCompletionRequest, conversations: list,
+                          i: int) -> ChatCompletionRequest:
+    """Conversation `i` of a batch as a chat request of its own, taken out of the list."""
+    messages, conversations[i] = conversations[i], None
+    return ChatCompletionRequest.model_construct(**{**dict(batch), "messages": messages})
+
+
+def _echo_text(last: ChatMessage) -> str:
+    """vLLM's chat echo: the final message's text when it is the assistant's."""
+    if last.role != "assistant" or last.content is None:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "".join(p.text for p in last.content if isinstance(p, TextPart))
+
+
+@dataclass(frozen=True)
 class _RequestSettings:
     """The small, payload-free part of a request kept after its body model is dropped."""
 
@@ -487,6 +574,7 @@ class _RequestSettings:
     parallel_tool_calls: bool = True
     constrained: bool = False  # a grammar governs the output from its first token
     named_function: str | None = None  # tool_choice names this function
+    tokens_as_ids: bool | None = None  # "token_id:ID" tokens; None: the server's setting
 
     @classmethod
     def of(cls, req) -> _RequestSettings:
@@ -500,4 +588,5 @@ class _RequestSettings:
                    logprobs_field="logprobs" if hasattr(req, "prompt") else "top_logprobs",
                    structured=req.structured, skip_special_tokens=req.skip_special_tokens,
                    include_stop_str_in_output=req.include_stop_str_in_output,
-                   constrained=req.structured is not None)
+                   constrained=req.structured is not None,
+                   tokens_as_ids=req.return_tokens_as_token_ids)

@@ -184,7 +184,6 @@ def test_a_representative_vllm_command_line_parses_and_validates(tiny_model_path
     (["--hf-token"], "--hf-token cannot apply here: flatserve serves local checkpoint"),
     (["--tokenizer", "/x"], "the tokenizer is the model folder's own"),
     (["--max-num-partial-prefills", "2"], "bounded by the step's token budget"),
-    (["--return-tokens-as-token-ids"], "log-probability tokens are always text"),
     (["--enable-lora"], "no LoRA adapters"),
     (["--speculative-config", "{}"], "no speculative decoding"),
     (["--response-role", "bot"], "responses carry the role assistant"),

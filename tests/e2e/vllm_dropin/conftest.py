@@ -10,7 +10,7 @@ import pytest
 from tests.e2e.server_process import ServerProcess
 
 MODEL = "flatserve-tiny-qwen2.5-vl"
-FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-server-load-tracking")
 
 
 @pytest.fixture(scope="package")

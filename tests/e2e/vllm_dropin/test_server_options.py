@@ -1,0 +1,54 @@
+"""vLLM's server options that change how the server is reached (issue 31, theme 7): --uds,
+the VLLM_API_KEY environment variable as the API key, --return-tokens-as-token-ids; one
+server started with all three."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.server_process import ServerProcess
+from tests.e2e.vllm_dropin.conftest import MODEL
+
+KEY = "sk-from-the-environment"
+
+
+@pytest.fixture(scope="module")
+def uds_server(tmp_path_factory, tiny_model_path):
+    folder = tmp_path_factory.mktemp("uds")
+    socket_path = str(folder / "api.sock")
+    proc = ServerProcess("--uds", socket_path, "--return-tokens-as-token-ids",
+                         log_path=folder / "server.log", env={**os.environ, "VLLM_API_KEY": KEY})
+    client = httpx.Client(transport=httpx.HTTPTransport(uds=socket_path),
+                          base_url="http://localhost", timeout=60)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start:\n{proc.log_tail()}")
+            try:
+                if client.get("/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        yield client
+    finally:
+        client.close()
+        proc.stop()
+
+
+def test_served_on_the_socket_with_the_key_from_the_environment(uds_server):
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "logprobs": True}
+    assert uds_server.post("/v1/chat/completions", json=chat).status_code == 401
+    oai = openai.OpenAI(base_url="http://localhost/v1", api_key=KEY, max_retries=0,
+                        http_client=uds_server)
+    reply = oai.chat.completions.create(**chat)
+    # --return-tokens-as-token-ids: the server's default; a request may turn it off
+    assert all(e.token.startswith("token_id:") for e in reply.choices[0].logprobs.content)
+    plain = oai.chat.completions.create(**chat, extra_body={"return_tokens_as_token_ids": False})
+    assert not any(e.token.startswith("token_id:") for e in plain.choices[0].logprobs.content)
