@@ -216,6 +216,11 @@ class ApiConfig:
     return_tokens_as_token_ids: bool = opt(
         False, "write log-probability tokens as 'token_id:ID' (a request's "
         "return_tokens_as_token_ids overrides it), as vLLM does")
+    skip_tokenizer_init: bool = opt(
+        False, "token in, token out (vLLM's): /v1/completions takes token id prompts only and "
+        "answers with ids (return_token_ids), no text; chat and text prompts are refused")
+    enable_force_include_usage: bool = opt(
+        False, "usage in every streamed chunk, whatever stream_options say (vLLM's)")
     enable_server_load_tracking: bool = opt(
         False, "count the requests being served, for GET /load (vLLM's server_load)")
     uds: str | None = opt(None, "listen on this Unix domain socket instead of --host and "

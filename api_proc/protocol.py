@@ -127,6 +127,7 @@ class ChatMessage(_MessageItem):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (with include_usage)
 
 
 MAX_CONSTRAINT_CHARS = 65536  # of a schema, regex or grammar
@@ -302,6 +303,8 @@ class _SamplingRequest(_Request):
     structured_outputs: StructuredOutputsParams | None = None
     # vLLM's: log-probability tokens written "token_id:ID" (also --return-tokens-as-token-ids)
     return_tokens_as_token_ids: bool | None = None
+    # vLLM's: the prompt's and each choice's token ids in the response
+    return_token_ids: bool = False
 
     @field_validator("stop")
     @classmethod
@@ -328,6 +331,10 @@ class _SamplingRequest(_Request):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     @field_validator("guided_json")
     @classmethod
@@ -606,6 +613,7 @@ class ChatCompletionChoice(_Body):
     message: ChatCompletionMessage
     finish_reason: str | None
     logprobs: ChatLogprobs | None = None
+    token_ids: list[int] | None = None  # return_token_ids (vLLM's); left out otherwise
 
 
 class ChatCompletionResponse(_Body):
@@ -615,6 +623,7 @@ class ChatCompletionResponse(_Body):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_token_ids: list[int] | None = None  # return_token_ids (vLLM's); left out otherwise
 
 
 class ChatDelta(_Body):
@@ -630,6 +639,7 @@ class ChatCompletionChunkChoice(_Body):
     delta: ChatDelta
     finish_reason: str | None = None
     logprobs: ChatLogprobs | None = None
+    token_ids: list[int] | None = None  # return_token_ids: this chunk's
 
 
 class ChatCompletionChunk(_Body):
@@ -639,6 +649,7 @@ class ChatCompletionChunk(_Body):
     model: str
     choices: list[ChatCompletionChunkChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: on the first chunk
 
 
 class CompletionChoice(_Body):
@@ -646,6 +657,9 @@ class CompletionChoice(_Body):
     text: str
     finish_reason: str | None
     logprobs: CompletionLogprobs | None = None
+    # return_token_ids (vLLM's): its prompt's ids (streamed: in its first chunk) and its own
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(_Body):

@@ -123,9 +123,9 @@ class StreamedResponse(Response):
                         "headers": self.raw_headers})
             for c in p.choices:
                 if p.kind == "chat":
-                    out(w._chunk(p, c.index, None, None))
+                    out(w._chunk(p, c, None, None))
                 if c.echo:
-                    out(w._chunk(p, c.index, c.echo, None))
+                    out(w._chunk(p, c, c.echo, None))
             outputs.start()
             watcher = asyncio.ensure_future(wait_for_disconnect(receive))
             await asyncio.wait((outputs.done, watcher), return_when=asyncio.FIRST_COMPLETED)
@@ -189,19 +189,29 @@ class ResponseWriter:
                 error = None  # the traceback holds this frame: no cycle back to the error
         if p.kind == "chat":
             messages = [_message(c) for c in p.choices]  # before _finish_reason: calls read
-            return ChatCompletionResponse(
+            body = ChatCompletionResponse(
                 id=p.id, created=p.created, model=p.model, usage=p.usage,
+                prompt_token_ids=p.choices[0].prompt_token_ids,
                 choices=[ChatCompletionChoice(
                     index=c.index, finish_reason=_finish_reason(c), message=message,
-                    logprobs=None if c.logprobs is None else {"content": c.logprobs})
+                    logprobs=None if c.logprobs is None else {"content": c.logprobs},
+                    token_ids=c.token_ids)
                     for c, message in zip(p.choices, messages, strict=True)]
             ).model_dump(exclude=None if p.reasoning else _NO_REASONING)
-        return CompletionResponse(
-            id=p.id, created=p.created, model=p.model, usage=p.usage,
-            choices=[CompletionChoice(
-                index=c.index, text="".join(c.texts), finish_reason=c.finish_reason,
-                logprobs=None if c.logprobs is None else merge_completion(c.logprobs))
-                for c in p.choices]).model_dump()
+        else:
+            body = CompletionResponse(
+                id=p.id, created=p.created, model=p.model, usage=p.usage,
+                choices=[CompletionChoice(
+                    index=c.index, text="".join(c.texts), finish_reason=c.finish_reason,
+                    logprobs=None if c.logprobs is None else merge_completion(c.logprobs),
+                    prompt_token_ids=c.prompt_token_ids, token_ids=c.token_ids)
+                    for c in p.choices]).model_dump()
+        if not p.return_token_ids:  # the keys exist only when asked for, as in vLLM
+            body.pop("prompt_token_ids", None)
+            for choice in body["choices"]:
+                choice.pop("prompt_token_ids", None)
+                choice.pop("token_ids", None)
+        return body
 
     def _gather(self, p: Prepared, c: Choice, text: str, finish: str | None,
                 lp: Any) -> None:
@@ -219,7 +229,7 @@ class ResponseWriter:
             if chunks:
                 out(b"".join(chunks))
         elif text or finish or lp:
-            out(self._chunk(p, c.index, text, finish, lp))
+            out(self._chunk(p, c, text, finish, lp))
 
     def _advance(self, p: Prepared, c: Choice, out) -> tuple[str, str | None, object]:
         """New text, finish reason and log-probabilities (chat entries, a completion
@@ -227,6 +237,8 @@ class ResponseWriter:
         ids = out.new_token_ids
         if ids:
             self._count_tokens(p, c, out)
+            if p.return_token_ids:
+                (c.step_ids if p.stream else c.token_ids).extend(ids)
         lp = None
         if out.logprobs and ids:
             if p.kind == "chat":
@@ -285,11 +297,11 @@ class ResponseWriter:
         if not deltas and (finish or lp):
             deltas = [{"content": ""}]
         last = len(deltas) - 1
-        return [self._chunk(p, c.index, d.get("content"), finish if i == last else None,
+        return [self._chunk(p, c, d.get("content"), finish if i == last else None,
                             lp if i == 0 else None, d.get("tool_calls"), d.get("reasoning"))
                 for i, d in enumerate(deltas)]
 
-    def _chunk(self, p: Prepared, index: int, text: str | None, finish: str | None,
+    def _chunk(self, p: Prepared, c: Choice, text: str | None, finish: str | None,
                lp: object = None, tool_calls: list[dict] | None = None,
                reasoning: str | None = None) -> bytes:
         """One SSE chunk; for chat, text=None is the opening chunk that carries the role.
@@ -306,14 +318,24 @@ class ResponseWriter:
             else:
                 delta = {"content": text}
             logprobs = None if lp is None else {"content": lp, "refusal": None}
-            choice = {"index": index, "delta": delta, "logprobs": logprobs,
+            choice = {"index": c.index, "delta": delta, "logprobs": logprobs,
                       "finish_reason": finish}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+            choice = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish}
             obj = "text_completion"
-        return _sse(json.dumps({"id": p.id, "object": obj, "created": p.created,
-                                "model": p.model, "choices": [choice]}, ensure_ascii=False))
+        chunk = {"id": p.id, "object": obj, "created": p.created, "model": p.model,
+                 "choices": [choice]}
+        if p.return_token_ids:  # vLLM's: the prompt's ids first, then each chunk's own
+            choice["token_ids"], c.step_ids = c.step_ids, []
+            if c.prompt_token_ids is not None:
+                where = chunk if p.kind == "chat" else choice
+                where["prompt_token_ids"], c.prompt_token_ids = c.prompt_token_ids, None
+        if p.continuous_usage:
+            chunk["usage"] = {"prompt_tokens": p.num_prompt_tokens,
+                              "completion_tokens": c.num_tokens,
+                              "total_tokens": p.num_prompt_tokens + c.num_tokens}
+        return _sse(json.dumps(chunk, ensure_ascii=False))
 
 
 def _finish_reason(c: Choice) -> str | None:

@@ -30,7 +30,7 @@ import pydantic
 from api_proc.admission import AdmissionController, Reservation
 from api_proc.chat_output import ChatOutputParser
 from api_proc.config import ApiConfig
-from api_proc.detokenizer import IncrementalDetokenizer
+from api_proc.detokenizer import IncrementalDetokenizer, NoDetokenizer
 from api_proc.engine_client import EngineClient, RequestStream
 from api_proc.errors import (
     BadRequest,
@@ -78,6 +78,11 @@ class Choice:
     last_token_at: float | None = None
     num_chars: int = 0  # of the completion so far (completion logprobs' text_offset)
     output: ChatOutputParser | None = None  # chat: reads reasoning and tool calls out
+    # return_token_ids: the prompt's ids (streamed: until its first chunk carries them),
+    # the completion's (non-streaming) and those of the step being written (streaming)
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
+    step_ids: list[int] | None = None
 
 
 @dataclass(eq=False)
@@ -96,6 +101,8 @@ class Prepared:
     first_token_at: float | None = None
     reasoning: bool = False  # a reasoning parser reads the choices (messages carry its fields)
     tokens_as_ids: bool = False  # log-probability tokens written "token_id:ID"
+    continuous_usage: bool = False  # usage in every streamed chunk
+    return_token_ids: bool = False
 
     @property
     def usage(self) -> UsageInfo:
@@ -238,7 +245,14 @@ class Serving:
         # the request model goes straight into _prepare_chat, which drops it (R1)
         return await self._prepare_chat(self._parse_chat(body), body, arrival)
 
+    def _check_tokenizer(self, what: str, param: str) -> None:
+        if self.config.skip_tokenizer_init:
+            raise BadRequest(f"{what} needs the tokenizer, and this server runs with "
+                             "--skip-tokenizer-init: send token ids to /v1/completions",
+                             param=param)
+
     def _parse_chat(self, body: RequestBody) -> ChatCompletionRequest:
+        self._check_tokenizer("a chat request", "messages")
         req = parse_body(ChatCompletionRequest, body.take())
         self.check_model(req.model)
         self._check_n(req.n)
@@ -269,7 +283,7 @@ class Serving:
                                        body.reservation)
         encoded = None
         prepared = self._prepared("chat", rid, arrival, settings, len(prompt_ids), streams,
-                                  make_output)
+                                  make_output, [prompt_ids] * settings.n)
         for choice in prepared.choices:
             choice.echo = echo
         return prepared
@@ -277,6 +291,7 @@ class Serving:
     async def prepare_chat_batch(self, body: RequestBody, arrival: float) -> Prepared:
         """POST /v1/chat/completions/batch (vLLM's): one choice per conversation, in order,
         in one chat completion."""
+        self._check_tokenizer("a chat request", "messages")
         req = parse_body(BatchChatCompletionRequest, body.take())
         self.check_model(req.model)
         if len(req.messages) > self.config.max_n:
@@ -349,6 +364,10 @@ class Serving:
         settings = _RequestSettings.of(req)
         echo = req.echo
         req = None
+        if any(isinstance(p, str) for p in prompts):
+            self._check_tokenizer("a text prompt", "prompt")
+        if settings.stop:
+            self._check_tokenizer("stop", "stop")
         for p in prompts:
             if isinstance(p, str):
                 self.builder.check_prompt_chars(len(p), "prompt")
@@ -369,30 +388,46 @@ class Serving:
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = await self._hand_off(rid, prompt_ids, sampling, [])
         prepared = self._prepared("completion", rid, arrival, settings,
-                                  sum(len(ids) for ids in ids_per_prompt), streams)
-        if echo:
+                                  sum(len(ids) for ids in ids_per_prompt), streams,
+                                  prompt_ids=prompt_ids)
+        if echo and not self.config.skip_tokenizer_init:  # token-out: ids, no text
             texts = [p if isinstance(p, str) else self.builder.decoder.decode(p) for p in prompts]
             for choice in prepared.choices:  # choices go prompt by prompt, n of each
                 choice.echo = texts[choice.index // settings.n]
         return prepared
 
     def _prepared(self, kind, rid, arrival, settings, num_prompt_tokens, streams,
-                  make_output: Callable[[], ChatOutputParser] | None = None) -> Prepared:
+                  make_output: Callable[[], ChatOutputParser] | None = None,
+                  prompt_ids: list[list[int]] | None = None) -> Prepared:
         decoder = (self.builder.decoder if settings.skip_special_tokens
                    else self.builder.decoder_with_specials)
-        choices = [Choice(i, s, IncrementalDetokenizer(decoder, settings.stop,
-                                                       settings.include_stop_str_in_output),
+        ids = settings.return_token_ids
+        token_out = self.config.skip_tokenizer_init
+
+        def detokenizer():
+            if token_out:
+                return NoDetokenizer()
+            return IncrementalDetokenizer(decoder, settings.stop,
+                                          settings.include_stop_str_in_output)
+        choices = [Choice(i, s, detokenizer(),
                           logprobs=None if settings.logprobs is None else [],
-                          output=None if make_output is None else make_output())
+                          output=None if make_output is None else make_output(),
+                          prompt_token_ids=list(prompt_ids[i]) if ids else None,
+                          token_ids=[] if ids else None, step_ids=[] if ids else None)
                    for i, s in enumerate(streams)]
         self.metrics.prompt_tokens.inc(num_prompt_tokens)
+        # vLLM's --enable-force-include-usage: every streamed chunk carries usage
+        forced = self.config.enable_force_include_usage and settings.stream
         return Prepared(kind=kind, id=rid, created=int(time.time()),
                         model=self.config.model_name, stream=settings.stream,
-                        include_usage=settings.include_usage,
+                        include_usage=settings.include_usage or forced,
+                        continuous_usage=settings.continuous_usage or forced,
+                        return_token_ids=ids,
                         num_prompt_tokens=num_prompt_tokens, choices=choices, arrival=arrival,
                         reasoning=kind == "chat" and self.config.reasoning_parser is not None,
-                        tokens_as_ids=self.config.return_tokens_as_token_ids
-                        if settings.tokens_as_ids is None else settings.tokens_as_ids)
+                        tokens_as_ids=token_out or (
+                            self.config.return_tokens_as_token_ids
+                            if settings.tokens_as_ids is None else settings.tokens_as_ids))
 
     async def _hand_off(self, rid: str, prompt_ids: list[list[int]],
                         sampling: list[SamplingParams], encoded: list[EncodedImage],
@@ -575,6 +610,8 @@ class _RequestSettings:
     constrained: bool = False  # a grammar governs the output from its first token
     named_function: str | None = None  # tool_choice names this function
     tokens_as_ids: bool | None = None  # "token_id:ID" tokens; None: the server's setting
+    continuous_usage: bool = False  # usage in every streamed chunk
+    return_token_ids: bool = False
 
     @classmethod
     def of(cls, req) -> _RequestSettings:
@@ -589,4 +626,5 @@ class _RequestSettings:
                    structured=req.structured, skip_special_tokens=req.skip_special_tokens,
                    include_stop_str_in_output=req.include_stop_str_in_output,
                    constrained=req.structured is not None,
-                   tokens_as_ids=req.return_tokens_as_token_ids)
+                   tokens_as_ids=req.return_tokens_as_token_ids,
+                   continuous_usage=req.continuous_usage, return_token_ids=req.return_token_ids)

@@ -28,6 +28,9 @@ class Tokenization:
         req = parse_body(TokenizeChatRequest if chat else TokenizeCompletionRequest, data)
         data = None
         self.serving.check_model(req.model)
+        if self.serving.config.skip_tokenizer_init:
+            raise BadRequest("/tokenize needs the tokenizer, and this server runs with "
+                             "--skip-tokenizer-init")
         if chat:
             spec, refs = self.serving.chat_prompt_spec(req)
             add_special, want_strs = req.add_special_tokens, req.return_token_strs
@@ -53,6 +56,9 @@ class Tokenization:
         return [*empty, *ids] if empty else ids
 
     def detokenize(self, body: RequestBody) -> dict:
+        if self.serving.config.skip_tokenizer_init:
+            raise BadRequest("/detokenize needs the tokenizer, and this server runs with "
+                             "--skip-tokenizer-init")
         req = parse_body(DetokenizeRequest, body.take())
         self.serving.check_model(req.model)
         vocab = self.builder.vocab_size

@@ -101,7 +101,7 @@ FLAGS = (
              no_op=("auto",)),
     VllmFlag(("--override-generation-config", "--hf-overrides"),
              "settings come from the model folder; --generation-config names another folder"),
-    VllmFlag(("--enable-prompt-tokens-details", "--enable-force-include-usage",
+    VllmFlag(("--enable-prompt-tokens-details",
               "--enable-request-id-headers",
               "--enable-tokenizer-info-endpoint", "--enable-log-outputs"),
              "not implemented", False),

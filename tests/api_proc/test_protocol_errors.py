@@ -131,7 +131,7 @@ def test_neutral_values_and_harmless_fields_are_accepted():
         "frequency_penalty": 0.0, "repetition_penalty": 1.0, "response_format": {"type": "text"},
         "logprobs": False, "tools": [], "tool_choice": "none", "logit_bias": {}, "min_tokens": 0,
         "user": "u", "metadata": {"k": "v"}})
-    for nested in ({"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+    for nested in ({"stream_options": {"include_usage": True, "usage_every": 2}},
                    {"messages": [{"role": "user", "content": "x", "tool_call_id": "t"}]}):
         with pytest.raises(ValidationError):
             ChatCompletionRequest.model_validate(
