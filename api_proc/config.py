@@ -188,7 +188,8 @@ class ApiConfig:
     media_workers: int = opt(0, "threads decoding and resizing images (0: min(4, cpus))")
     max_n: int = opt(16, "most choices (n) per request")
     max_logprobs: int = opt(20, "most top_logprobs (chat) or logprobs (completions) a request "
-                                "may ask for")
+                                "may ask for; -1: the whole vocabulary (requests may then ask "
+                                "for -1, as in vLLM)")
     generation_config: str = opt(
         "auto", "default sampling settings for requests that leave them out: 'auto' reads the "
         "model folder's generation_config.json (temperature, top_p, top_k, "
@@ -298,8 +299,9 @@ class ApiConfig:
             object.__setattr__(self, "default_chat_template_kwargs", text)
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser")
-        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs}")
+        if not -1 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs must be in [-1, {MAX_LOGPROBS}], got "
+                             f"{self.max_logprobs}")
         if self.generation_config not in ("auto", "vllm") and not (
                 Path(self.generation_config) / "generation_config.json").is_file():
             raise ValueError(f"generation_config: {self.generation_config} is not 'auto', 'vllm' "

@@ -56,8 +56,10 @@ class LogprobsFormatter:
             text, _ = self._token(token_id, as_ids)
             tokens.append(text)
             token_logprobs.append(_finite(lp))
-            tops.append({self._token(i, as_ids)[0]: _finite(v)
-                         for i, v in zip(top_ids, top_values, strict=True)})
+            top = {self._token(i, as_ids)[0]: _finite(v)
+                   for i, v in zip(top_ids, top_values, strict=True)}
+            top.setdefault(text, _finite(lp))  # vLLM's: the sampled token's entry too
+            tops.append(top)
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,

@@ -401,7 +401,7 @@ class ChatPromptFields(_Request):
 class ChatCompletionRequest(ChatPromptFields, _SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(default=None, ge=-1, le=MAX_LOGPROBS)  # -1: all
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     # None: "auto" when tools are given, "none" otherwise (OpenAI's defaults)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -478,7 +478,7 @@ EMPTY_PROMPT = "the decoder prompt cannot be empty"  # vLLM's words, which clien
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(default=None, ge=-1, le=MAX_LOGPROBS)  # -1: all (vLLM's)
 
     @property
     def requested_logprobs(self) -> int | None:
@@ -608,6 +608,15 @@ class CompletionLogprobs(_Body):
     text_offset: list[int]
 
 
+class PromptLogprob(_Body):
+    """vLLM's entry of a prompt position, keyed by token id: the prompt's own token and the
+    top alternatives there."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class ChatCompletionChoice(_Body):
     index: int
     message: ChatCompletionMessage
@@ -624,6 +633,8 @@ class ChatCompletionResponse(_Body):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     prompt_token_ids: list[int] | None = None  # return_token_ids (vLLM's); left out otherwise
+    # vLLM's: the prompt's log-probabilities (prompt_logprobs), null when not asked for
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class ChatDelta(_Body):
@@ -660,6 +671,8 @@ class CompletionChoice(_Body):
     # return_token_ids (vLLM's): its prompt's ids (streamed: in its first chunk) and its own
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
+    # vLLM's: its prompt's log-probabilities (prompt_logprobs), null when not asked for
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(_Body):

@@ -154,10 +154,7 @@ class Serving:
 
     def _sampling(self, req, max_tokens: int, choice: int) -> SamplingParams:
         seed = None if req.seed is None else (req.seed + choice) % 2**63
-        if req.logprobs is not None and req.logprobs > self.config.max_logprobs:
-            field = req.logprobs_field
-            raise BadRequest(f"{field}: {req.logprobs} log-probabilities per token asked; at "
-                             f"most max_logprobs={self.config.max_logprobs}", param=field)
+        logprobs = self._num_logprobs(req.logprobs, req.logprobs_field)
         self._check_logit_bias(req.logit_bias)
         defaults = self.defaults
         top_k = defaults.get("top_k", 0) if req.top_k is None else req.top_k
@@ -176,12 +173,27 @@ class Serving:
                 repetition_penalty=req.repetition_penalty or defaults.get("repetition_penalty", 1.0),
                 min_tokens=req.min_tokens or 0,
                 logit_bias=tuple((int(t), b) for t, b in (req.logit_bias or {}).items()),
-                logprobs=req.logprobs,
+                logprobs=logprobs,
                 structured=req.structured,
             )
         except ValueError as e:
             message = str(e)
         raise BadRequest(message)
+
+    def _num_logprobs(self, asked: int | None, field: str) -> int | None:
+        """Top alternatives per token: -1 is the whole vocabulary (vLLM's), allowed up to
+        --max-logprobs (-1 there: any number); never more than the vocabulary."""
+        if asked is None:
+            return None
+        vocab = self.builder.num_logits
+        limit = vocab if self.config.max_logprobs == -1 else self.config.max_logprobs
+        k = vocab if asked == -1 else asked
+        if k > limit:
+            raise BadRequest(f"{field}: {asked} log-probabilities per token asked "
+                             f"({k} tokens); at most max_logprobs="
+                             f"{self.config.max_logprobs} (--max-logprobs; -1 allows the whole "
+                             f"vocabulary of {vocab})", param=field)
+        return min(k, vocab)
 
     def _check_logit_bias(self, bias: dict[str, float] | None) -> None:
         size = self.builder.num_logits

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 MAX_LOGIT_BIAS_ENTRIES = 1024
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 MAX_JSON_WHITESPACE = 4  # runs of whitespace JSON may hold: a model cannot pad forever
-MAX_LOGPROBS = 1024  # most top alternatives per token a request can carry at all; the
-# server's --max-logprobs (default 20, as vLLM's) is the limit clients see
+MAX_LOGPROBS = 1 << 20  # most top alternatives per token a request can carry at all (a
+# vocabulary's size); the server's --max-logprobs (default 20, as vLLM's) is the limit
+# clients see, and the API never asks for more than the model's vocabulary
 
 
 @dataclass(frozen=True)
