@@ -66,6 +66,43 @@ class LogprobsFormatter:
                 "text_offset": offsets}
 
 
+    def prompt(self, prompt_ids: list[int], entries: list, as_ids: bool = False
+               ) -> list[dict | None]:
+        """vLLM's prompt_logprobs: None for the first prompt token, then for each one a
+        dict keyed by token id of its own entry and the top ones', each with its logprob,
+        rank and decoded_token."""
+        out: list[dict | None] = [None]
+        for target, (lp, rank, top_ids, top_values) in zip(prompt_ids[1:], entries,
+                                                           strict=True):
+            entry = {str(target): {"logprob": _finite(lp), "rank": rank,
+                                   "decoded_token": self._token(target, as_ids)[0]}}
+            for r, (i, v) in enumerate(zip(top_ids, top_values, strict=True), start=1):
+                entry.setdefault(str(i), {"logprob": _finite(v), "rank": r,
+                                          "decoded_token": self._token(i, as_ids)[0]})
+            out.append(entry)
+        return out
+
+    def completion_prompt(self, prompt_ids: list[int], entries: list,
+                          as_ids: bool = False) -> dict:
+        """A completion's `logprobs` part for its echoed prompt (echo with logprobs): the
+        first token has none (null), as in OpenAI's and vLLM's."""
+        tokens = [self._token(t, as_ids)[0] for t in prompt_ids]
+        token_logprobs: list[float | None] = [None]
+        tops: list[dict | None] = [None]
+        for text, (lp, _, top_ids, top_values) in zip(tokens[1:], entries, strict=True):
+            token_logprobs.append(_finite(lp))
+            top = {self._token(i, as_ids)[0]: _finite(v)
+                   for i, v in zip(top_ids, top_values, strict=True)}
+            top.setdefault(text, _finite(lp))
+            tops.append(top)
+        offsets, at = [], 0
+        for text in tokens:
+            offsets.append(at)
+            at += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
+                "text_offset": offsets}
+
+
 def merge_completion(parts: list[dict]) -> dict:
     """One completion `logprobs` object from the objects of successive outputs."""
     return {key: [v for part in parts for v in part[key]]

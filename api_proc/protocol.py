@@ -305,6 +305,8 @@ class _SamplingRequest(_Request):
     return_tokens_as_token_ids: bool | None = None
     # vLLM's: the prompt's and each choice's token ids in the response
     return_token_ids: bool = False
+    # vLLM's: the prompt tokens' log-probabilities and the k most likely there (-1: all)
+    prompt_logprobs: int | None = Field(default=None, ge=-1, le=MAX_LOGPROBS)
 
     @field_validator("stop")
     @classmethod
@@ -342,6 +344,13 @@ class _SamplingRequest(_Request):
         if v is not None:
             _schema_text(v)
         return v
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self):
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not available with stream: true (as in "
+                             "vLLM)")
+        return self
 
     @model_validator(mode="after")
     def _one_constraint(self):
@@ -494,11 +503,16 @@ class CompletionRequest(_SamplingRequest):
         return v
 
     @model_validator(mode="after")
-    def _echo_without_logprobs(self):
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs is not supported (the prompt's log-"
-                             "probabilities are not computed)")
+    def _echo_with_logprobs_not_streamed(self):
+        if self.echo and self.logprobs is not None and self.stream:
+            raise ValueError("echo with logprobs is not supported with stream: true (the "
+                             "prompt's log-probabilities come with the whole response)")
         return self
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """The echoed prompt carries log-probabilities too (vLLM's echo with logprobs)."""
+        return self.echo and self.logprobs is not None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -603,8 +617,8 @@ class ChatLogprobs(_Body):
 
 class CompletionLogprobs(_Body):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: the prompt's first token (echo)
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

@@ -192,6 +192,7 @@ class ResponseWriter:
             body = ChatCompletionResponse(
                 id=p.id, created=p.created, model=p.model, usage=p.usage,
                 prompt_token_ids=p.choices[0].prompt_token_ids,
+                prompt_logprobs=self._prompt_logprobs(p, p.choices[0]),
                 choices=[ChatCompletionChoice(
                     index=c.index, finish_reason=_finish_reason(c), message=message,
                     logprobs=None if c.logprobs is None else {"content": c.logprobs},
@@ -203,8 +204,9 @@ class ResponseWriter:
                 id=p.id, created=p.created, model=p.model, usage=p.usage,
                 choices=[CompletionChoice(
                     index=c.index, text="".join(c.texts), finish_reason=c.finish_reason,
-                    logprobs=None if c.logprobs is None else merge_completion(c.logprobs),
-                    prompt_token_ids=c.prompt_token_ids, token_ids=c.token_ids)
+                    logprobs=self._completion_logprobs(p, c),
+                    prompt_token_ids=c.prompt_token_ids, token_ids=c.token_ids,
+                    prompt_logprobs=self._prompt_logprobs(p, c))
                     for c in p.choices]).model_dump()
         if not p.return_token_ids:  # the keys exist only when asked for, as in vLLM
             body.pop("prompt_token_ids", None)
@@ -212,6 +214,21 @@ class ResponseWriter:
                 choice.pop("prompt_token_ids", None)
                 choice.pop("token_ids", None)
         return body
+
+    def _prompt_logprobs(self, p: Prepared, c: Choice) -> list | None:
+        """vLLM's prompt_logprobs of a choice's prompt, when asked for."""
+        if not p.prompt_logprobs or c.prompt_logprobs is None:
+            return None
+        return self.logprobs.prompt(c.prompt_token_ids, c.prompt_logprobs, p.tokens_as_ids)
+
+    def _completion_logprobs(self, p: Prepared, c: Choice) -> dict | None:
+        if c.logprobs is None:
+            return None
+        parts = c.logprobs
+        if p.echo_logprobs and c.prompt_logprobs is not None:  # the echoed prompt first
+            parts = [self.logprobs.completion_prompt(c.prompt_token_ids, c.prompt_logprobs,
+                                                     p.tokens_as_ids), *parts]
+        return merge_completion(parts)
 
     def _gather(self, p: Prepared, c: Choice, text: str, finish: str | None,
                 lp: Any) -> None:
@@ -235,6 +252,8 @@ class ResponseWriter:
         """New text, finish reason and log-probabilities (chat entries, a completion
         logprobs object, or None) of choice `c` after engine output `out`."""
         ids = out.new_token_ids
+        if out.prompt_logprobs is not None:
+            c.prompt_logprobs = out.prompt_logprobs
         if ids:
             self._count_tokens(p, c, out)
             if p.return_token_ids:

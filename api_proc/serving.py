@@ -78,6 +78,8 @@ class Choice:
     last_token_at: float | None = None
     num_chars: int = 0  # of the completion so far (completion logprobs' text_offset)
     output: ChatOutputParser | None = None  # chat: reads reasoning and tool calls out
+    # prompt_logprobs: the engine's entries, once they came (non-streaming responses)
+    prompt_logprobs: list | None = None
     # return_token_ids: the prompt's ids (streamed: until its first chunk carries them),
     # the completion's (non-streaming) and those of the step being written (streaming)
     prompt_token_ids: list[int] | None = None
@@ -103,6 +105,8 @@ class Prepared:
     tokens_as_ids: bool = False  # log-probability tokens written "token_id:ID"
     continuous_usage: bool = False  # usage in every streamed chunk
     return_token_ids: bool = False
+    prompt_logprobs: bool = False  # asked for: the response's prompt_logprobs are filled in
+    echo_logprobs: bool = False  # completions: the echoed prompt's tokens in logprobs
 
     @property
     def usage(self) -> UsageInfo:
@@ -155,6 +159,9 @@ class Serving:
     def _sampling(self, req, max_tokens: int, choice: int) -> SamplingParams:
         seed = None if req.seed is None else (req.seed + choice) % 2**63
         logprobs = self._num_logprobs(req.logprobs, req.logprobs_field)
+        prompt_logprobs = self._num_logprobs(req.prompt_logprobs, "prompt_logprobs")
+        if req.echo_logprobs:  # the echoed prompt's entries come from prompt_logprobs
+            prompt_logprobs = max(prompt_logprobs or 0, logprobs)
         self._check_logit_bias(req.logit_bias)
         defaults = self.defaults
         top_k = defaults.get("top_k", 0) if req.top_k is None else req.top_k
@@ -174,6 +181,7 @@ class Serving:
                 min_tokens=req.min_tokens or 0,
                 logit_bias=tuple((int(t), b) for t, b in (req.logit_bias or {}).items()),
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 structured=req.structured,
             )
         except ValueError as e:
@@ -406,6 +414,7 @@ class Serving:
             texts = [p if isinstance(p, str) else self.builder.decoder.decode(p) for p in prompts]
             for choice in prepared.choices:  # choices go prompt by prompt, n of each
                 choice.echo = texts[choice.index // settings.n]
+                choice.num_chars = len(choice.echo)  # text_offset counts the echo too
         return prepared
 
     def _prepared(self, kind, rid, arrival, settings, num_prompt_tokens, streams,
@@ -424,7 +433,9 @@ class Serving:
         choices = [Choice(i, s, detokenizer(),
                           logprobs=None if settings.logprobs is None else [],
                           output=None if make_output is None else make_output(),
-                          prompt_token_ids=list(prompt_ids[i]) if ids else None,
+                          prompt_token_ids=list(prompt_ids[i])
+                          if ids or settings.prompt_logprobs is not None
+                          or settings.echo_logprobs else None,
                           token_ids=[] if ids else None, step_ids=[] if ids else None)
                    for i, s in enumerate(streams)]
         self.metrics.prompt_tokens.inc(num_prompt_tokens)
@@ -435,6 +446,8 @@ class Serving:
                         include_usage=settings.include_usage or forced,
                         continuous_usage=settings.continuous_usage or forced,
                         return_token_ids=ids,
+                        prompt_logprobs=settings.prompt_logprobs is not None,
+                        echo_logprobs=settings.echo_logprobs,
                         num_prompt_tokens=num_prompt_tokens, choices=choices, arrival=arrival,
                         reasoning=kind == "chat" and self.config.reasoning_parser is not None,
                         tokens_as_ids=token_out or (
@@ -624,6 +637,8 @@ class _RequestSettings:
     tokens_as_ids: bool | None = None  # "token_id:ID" tokens; None: the server's setting
     continuous_usage: bool = False  # usage in every streamed chunk
     return_token_ids: bool = False
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs (-1: all)
+    echo_logprobs: bool = False  # completions: the echoed prompt with log-probabilities
 
     @classmethod
     def of(cls, req) -> _RequestSettings:
@@ -639,4 +654,6 @@ class _RequestSettings:
                    include_stop_str_in_output=req.include_stop_str_in_output,
                    constrained=req.structured is not None,
                    tokens_as_ids=req.return_tokens_as_token_ids,
-                   continuous_usage=req.continuous_usage, return_token_ids=req.return_token_ids)
+                   continuous_usage=req.continuous_usage, return_token_ids=req.return_token_ids,
+                   prompt_logprobs=req.prompt_logprobs,
+                   echo_logprobs=getattr(req, "echo_logprobs", False))

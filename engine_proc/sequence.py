@@ -113,6 +113,9 @@ class Sequence:
         # structured outputs: the compile of its grammar until done, then its matcher
         self.grammar_future = None
         self.grammar = None
+        # prompt_logprobs: one entry per prompt token after the first, computed chunk by
+        # chunk during prefill; handed to the first output, then None
+        self.prompt_logprobs: list | None = [] if sampling.prompt_logprobs is not None else None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -128,6 +131,12 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt log-probabilities are still to be computed (its prefill needs them)."""
+        return (self.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
 
     @property
     def is_finished(self) -> bool:

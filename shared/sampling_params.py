@@ -33,6 +33,10 @@ class SamplingParams:
     # None: no log-probabilities; k: the sampled token's and the k most likely ones', from
     # the distribution sampled (engine_proc/sampler.py)
     logprobs: int | None = None
+    # None: none; k: for every prompt token after the first, its log-probability, its rank
+    # and the k most likely tokens there, from the model's raw distribution (vLLM's
+    # prompt_logprobs; engine_proc/prompt_logprobs.py)
+    prompt_logprobs: int | None = None
     # (kind, spec): what the completion must match (engine_proc/structured_output.py):
     # ("json", schema text), ("json_object", ""), ("regex", pattern), ("choice", JSON list
     # of strings), ("grammar", EBNF) or ("structural_tag", xgrammar's structural tag JSON:
@@ -65,8 +69,10 @@ class SamplingParams:
             raise ValueError("logit_bias values must be in [-100, 100]")
         if any(t < 0 for t, _ in bias):
             raise ValueError("logit_bias token ids must not be negative")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}")
         if self.structured is not None:
             kind, spec = self.structured
             if kind not in STRUCTURED_KINDS or not isinstance(spec, str):

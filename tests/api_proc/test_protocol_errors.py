@@ -71,8 +71,9 @@ def test_completion_prompt_forms():
         with pytest.raises(ValidationError):
             CompletionRequest(prompt=prompt)
     assert CompletionRequest(prompt="x", echo=True).echo
-    with pytest.raises(ValidationError, match="echo with logprobs"):
-        CompletionRequest(prompt="x", echo=True, logprobs=1)
+    assert CompletionRequest(prompt="x", echo=True, logprobs=1).echo_logprobs
+    with pytest.raises(ValidationError, match="echo with logprobs is not supported with stream"):
+        CompletionRequest(prompt="x", echo=True, logprobs=1, stream=True)
 
 
 def test_validation_messages_leave_the_input_out():
