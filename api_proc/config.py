@@ -62,6 +62,27 @@ def parse_mm_limit(text: str) -> int:
 
 
 IMAGE_SIZE_KWARGS = ("min_pixels", "max_pixels")
+REASONING_CONFIG_KEYS = ("reasoning_start_str", "reasoning_end_str")
+
+
+def parse_reasoning_config(text: str) -> str:
+    """--reasoning-config: vLLM's JSON object naming the thinking markers
+    ('{"reasoning_start_str": "<think>", "reasoning_end_str": "</think>"}'), as canonical
+    JSON text; other keys are refused by name."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
+    for key, marker in value.items():
+        if key not in REASONING_CONFIG_KEYS:
+            raise argparse.ArgumentTypeError(
+                f"unknown reasoning setting {key!r}: flatserve takes "
+                f"{', '.join(REASONING_CONFIG_KEYS)}")
+        if not isinstance(marker, str) or not marker:
+            raise argparse.ArgumentTypeError(f"{key} must be a non-empty string")
+    return json.dumps(value)
 
 
 def template_kwargs_json(text: str) -> str:
@@ -226,6 +247,10 @@ class ApiConfig:
         False, "count the requests being served, for GET /load (vLLM's server_load)")
     uds: str | None = opt(None, "listen on this Unix domain socket instead of --host and "
                                 "--port (vLLM's --uds)")
+    reasoning_config: str | None = opt(
+        None, "the thinking markers thinking_token_budget counts between and forces, vLLM's "
+        "JSON object '{\"reasoning_start_str\": \"<think>\", \"reasoning_end_str\": "
+        "\"</think>\"}' (default: the reasoning parser's)", parse=parse_reasoning_config)
     default_chat_template_kwargs: str | None = opt(
         None, "chat template variables for every chat request, a JSON object such as "
         "'{\"enable_thinking\": false}'; a request's chat_template_kwargs override them",
@@ -288,6 +313,9 @@ class ApiConfig:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                              f"got {self.tool_call_parser!r}")
+        if self.reasoning_config is not None and self.reasoning_parser is None:
+            raise ValueError("reasoning_config applies with a reasoning_parser (which reads "
+                             "the thinking out)")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
                              f"got {self.reasoning_parser!r}")
@@ -368,6 +396,13 @@ class ApiConfig:
         data = json.loads(path.read_text())
         keys = ("temperature", "top_p", "top_k", "repetition_penalty")
         return {k: data[k] for k in keys if isinstance(data.get(k), int | float)}
+
+    @property
+    def reasoning_markers(self) -> tuple[str, str]:
+        """The thinking start and end markers (--reasoning-config, else the parsers')."""
+        given = json.loads(self.reasoning_config) if self.reasoning_config else {}
+        return (given.get("reasoning_start_str", "<think>"),
+                given.get("reasoning_end_str", "</think>"))
 
     @property
     def template_defaults(self) -> dict:

@@ -418,6 +418,10 @@ class ChatCompletionRequest(ChatPromptFields, _SamplingRequest):
     # vLLM's: the response starts with the final message's content when it is the
     # assistant's (with continue_final_message, the text being continued)
     echo: bool = False
+    # vLLM's, with --reasoning-parser: false leaves the reasoning out of the response
+    include_reasoning: bool = True
+    # vLLM's: the most tokens the model may think before its thinking is ended for it
+    thinking_token_budget: int | None = Field(default=None, ge=0, lt=2**31)
 
     @field_validator("tools")
     @classmethod

@@ -188,7 +188,8 @@ class ResponseWriter:
             finally:
                 error = None  # the traceback holds this frame: no cycle back to the error
         if p.kind == "chat":
-            messages = [_message(c) for c in p.choices]  # before _finish_reason: calls read
+            messages = [_message(c, p.include_reasoning)
+                        for c in p.choices]  # before _finish_reason: calls read
             body = ChatCompletionResponse(
                 id=p.id, created=p.created, model=p.model, usage=p.usage,
                 prompt_token_ids=p.choices[0].prompt_token_ids,
@@ -313,6 +314,8 @@ class ResponseWriter:
         if finish is not None:
             deltas += c.output.finish()
             finish = _finish_reason(c)
+        if not p.include_reasoning:  # include_reasoning false: read out, left out
+            deltas = [d for d in deltas if "reasoning" not in d]
         if not deltas and (finish or lp):
             deltas = [{"content": ""}]
         last = len(deltas) - 1
@@ -364,7 +367,7 @@ def _finish_reason(c: Choice) -> str | None:
     return c.finish_reason
 
 
-def _message(c: Choice) -> ChatCompletionMessage:
+def _message(c: Choice, include_reasoning: bool = True) -> ChatCompletionMessage:
     text = "".join(c.texts)
     if c.output is None:
         return ChatCompletionMessage(content=c.echo + text)
@@ -373,6 +376,8 @@ def _message(c: Choice) -> ChatCompletionMessage:
         content = ""  # vLLM's message for tool_choice required or named
     if c.echo:
         content = c.echo + (content or "")
+    if not include_reasoning:
+        reasoning = None
     return ChatCompletionMessage(content=content, tool_calls=calls, reasoning=reasoning,
                                  reasoning_content=reasoning)
 

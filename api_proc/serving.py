@@ -52,7 +52,7 @@ from api_proc.protocol import (
     TextPart,
     UsageInfo,
 )
-from api_proc.reasoning_parser import ReasoningParser, start_mode
+from api_proc.reasoning_parser import REASONING, ReasoningParser, start_mode
 from api_proc.request_body import RequestBody
 from api_proc.tool_grammar import tool_call_constraint
 from api_proc.tool_parser import ToolCallParser, read_cut_hermes_call, read_hermes_call
@@ -107,6 +107,7 @@ class Prepared:
     return_token_ids: bool = False
     prompt_logprobs: bool = False  # asked for: the response's prompt_logprobs are filled in
     echo_logprobs: bool = False  # completions: the echoed prompt's tokens in logprobs
+    include_reasoning: bool = True  # false: reasoning is read out and left out
 
     @property
     def usage(self) -> UsageInfo:
@@ -203,6 +204,30 @@ class Serving:
                              f"vocabulary of {vocab})", param=field)
         return min(k, vocab)
 
+    def _thinking(self, params: SamplingParams, settings: _RequestSettings,
+                  start: str | None) -> SamplingParams:
+        """`params` with the request's thinking_token_budget: the markers' ids (from
+        --reasoning-config or the parser's) and whether the prompt leaves thinking open."""
+        if settings.thinking_token_budget is None:
+            return params
+        if self.config.reasoning_parser is None:
+            raise BadRequest("thinking_token_budget needs --reasoning-parser (the server "
+                             "must know where thinking starts and ends)",
+                             param="thinking_token_budget")
+        if settings.constrained:
+            raise BadRequest("thinking_token_budget cannot go with an output constraint (a "
+                             "grammar or a forced tool call governs the output from its "
+                             "first token)", param="thinking_token_budget")
+        start_ids, end_ids = self._marker_ids
+        return dataclasses.replace(params, thinking_token_budget=settings.thinking_token_budget,
+                                   think_start_ids=start_ids, think_end_ids=end_ids,
+                                   thinking_open=start == REASONING)
+
+    @functools.cached_property
+    def _marker_ids(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        start, end = self.config.reasoning_markers
+        return tuple(self.builder.encode(start)), tuple(self.builder.encode(end))
+
     def _check_logit_bias(self, bias: dict[str, float] | None) -> None:
         size = self.builder.num_logits
         outside = sorted(int(t) for t in bias or () if int(t) >= size)
@@ -297,7 +322,8 @@ class Serving:
                                       settings.constrained)
         make_output = self._output_parsers(settings, spec.tools, start)
         max_tokens = self.builder.resolve_max_tokens(len(prompt_ids), requested)
-        sampling = [self._sampling(settings, max_tokens, i) for i in range(settings.n)]
+        sampling = [self._thinking(self._sampling(settings, max_tokens, i), settings, start)
+                    for i in range(settings.n)]
         rid = rid or f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._hand_off(rid, [prompt_ids] * settings.n, sampling, encoded,
                                        body.reservation)
@@ -448,6 +474,7 @@ class Serving:
                         return_token_ids=ids,
                         prompt_logprobs=settings.prompt_logprobs is not None,
                         echo_logprobs=settings.echo_logprobs,
+                        include_reasoning=settings.include_reasoning,
                         num_prompt_tokens=num_prompt_tokens, choices=choices, arrival=arrival,
                         reasoning=kind == "chat" and self.config.reasoning_parser is not None,
                         tokens_as_ids=token_out or (
@@ -639,6 +666,8 @@ class _RequestSettings:
     return_token_ids: bool = False
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs (-1: all)
     echo_logprobs: bool = False  # completions: the echoed prompt with log-probabilities
+    include_reasoning: bool = True
+    thinking_token_budget: int | None = None
 
     @classmethod
     def of(cls, req) -> _RequestSettings:
@@ -656,4 +685,6 @@ class _RequestSettings:
                    tokens_as_ids=req.return_tokens_as_token_ids,
                    continuous_usage=req.continuous_usage, return_token_ids=req.return_token_ids,
                    prompt_logprobs=req.prompt_logprobs,
-                   echo_logprobs=getattr(req, "echo_logprobs", False))
+                   echo_logprobs=getattr(req, "echo_logprobs", False),
+                   include_reasoning=getattr(req, "include_reasoning", True),
+                   thinking_token_budget=getattr(req, "thinking_token_budget", None))

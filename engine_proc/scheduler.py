@@ -469,6 +469,8 @@ class Scheduler:
                 continue  # a prefill chunk that did not reach the end: nothing sampled
             token_id = next(it)
             seq.append_token(token_id)
+            if seq.thinking is not None:
+                seq.thinking.accept(token_id)
             if seq.grammar is not None:
                 seq.grammar.accept_token(token_id)
             out.append(seq)

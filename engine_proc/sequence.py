@@ -9,6 +9,7 @@ from itertools import count
 import numpy as np
 import torch
 
+from engine_proc.thinking_budget import ThinkingBudget
 from shared.sampling_params import SamplingParams
 
 
@@ -83,9 +84,13 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.sampling = sampling
+        # thinking_token_budget: what it has thought (engine_proc/thinking_budget.py)
+        self.thinking = (None if sampling.thinking_token_budget is None
+                         else ThinkingBudget(sampling))
         # whether sampling changes its logits (engine_proc/logits_adjustments.py)
         self.adjusts_logits = bool(
             sampling.has_penalties or sampling.logit_bias or sampling.min_tokens
+            or self.thinking is not None
         )
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V is in the cache

@@ -37,6 +37,13 @@ class SamplingParams:
     # and the k most likely tokens there, from the model's raw distribution (vLLM's
     # prompt_logprobs; engine_proc/prompt_logprobs.py)
     prompt_logprobs: int | None = None
+    # vLLM's thinking_token_budget: after this many tokens of thinking, the end marker's
+    # tokens are forced (engine_proc/thinking_budget.py); the markers as token ids, and
+    # whether the prompt leaves thinking open
+    thinking_token_budget: int | None = None
+    think_start_ids: tuple[int, ...] = field(default_factory=tuple)
+    think_end_ids: tuple[int, ...] = field(default_factory=tuple)
+    thinking_open: bool = False
     # (kind, spec): what the completion must match (engine_proc/structured_output.py):
     # ("json", schema text), ("json_object", ""), ("regex", pattern), ("choice", JSON list
     # of strings), ("grammar", EBNF) or ("structural_tag", xgrammar's structural tag JSON:
@@ -73,6 +80,13 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and not 0 <= k <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}")
+        if self.thinking_token_budget is not None:
+            if self.thinking_token_budget < 0:
+                raise ValueError("thinking_token_budget must not be negative")
+            if not self.think_start_ids or not self.think_end_ids:
+                raise ValueError("thinking_token_budget needs the thinking markers' token ids")
+            object.__setattr__(self, "think_start_ids", tuple(map(int, self.think_start_ids)))
+            object.__setattr__(self, "think_end_ids", tuple(map(int, self.think_end_ids)))
         if self.structured is not None:
             kind, spec = self.structured
             if kind not in STRUCTURED_KINDS or not isinstance(spec, str):
