@@ -149,6 +149,7 @@ class PromptBuilder:
         self.merge_size = model_config.image.merge_size
         self.vocab_size = max(model_config.text.vocab_size, self.tokenizer.get_vocab_size())
         self.num_logits = model_config.text.vocab_size  # the ids a model can score
+        self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self.max_model_len = max_model_len or model_config.text.max_position_embeddings
         # No token covers more bytes than the longest vocabulary entry (byte-level BPE writes
         # one character per byte), and no character is less than a byte; twice that for what

@@ -307,6 +307,10 @@ class _SamplingRequest(_Request):
     return_token_ids: bool = False
     # vLLM's: the prompt tokens' log-probabilities and the k most likely there (-1: all)
     prompt_logprobs: int | None = Field(default=None, ge=-1, le=MAX_LOGPROBS)
+    # vLLM's beam search (api_proc/beam_search.py): width max(n, best_of), the n best back
+    use_beam_search: bool = False
+    best_of: int | None = Field(default=None, ge=1)
+    length_penalty: float = Field(default=1.0, ge=-10.0, le=10.0)
 
     @field_validator("stop")
     @classmethod
@@ -344,6 +348,42 @@ class _SamplingRequest(_Request):
         if v is not None:
             _schema_text(v)
         return v
+
+    @model_validator(mode="after")
+    def _beam_search_fields(self):
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+        if not self.use_beam_search:
+            if self.best_of not in (None, self.n):
+                raise ValueError("best_of other than n needs use_beam_search: flatserve "
+                                 "samples exactly n choices")
+            if self.length_penalty != 1.0:
+                raise ValueError("length_penalty applies with use_beam_search")
+            return self
+        given = [name for name, neutral in self._beam_incompatible() if not neutral]
+        if given:
+            raise ValueError(f"{', '.join(given)} cannot go with use_beam_search (not "
+                             "supported)")
+        return self
+
+    def _beam_incompatible(self) -> list[tuple[str, bool]]:
+        """Fields beam search does not honour, and whether each is at its neutral value."""
+        return [("stream", not self.stream), ("stop", not self.stop),
+                ("presence_penalty", not self.presence_penalty),
+                ("frequency_penalty", not self.frequency_penalty),
+                ("repetition_penalty", self.repetition_penalty in (None, 1.0)),
+                ("logit_bias", not self.logit_bias), ("min_tokens", not self.min_tokens),
+                ("prompt_logprobs", self.prompt_logprobs is None),
+                ("top_p", self.top_p in (None, 1.0)), ("top_k", self.top_k in (None, 0, -1)),
+                *((name, False) for name in self._constraints_given()),
+                *self._beam_incompatible_own()]
+
+    def _beam_incompatible_own(self) -> list[tuple[str, bool]]:
+        return []
+
+    @property
+    def beam_width(self) -> int:
+        return max(self.n, self.best_of or self.n)
 
     @model_validator(mode="after")
     def _prompt_logprobs_not_streamed(self):
@@ -475,6 +515,10 @@ class ChatCompletionRequest(ChatPromptFields, _SamplingRequest):
             raise ValueError("top_logprobs needs logprobs: true")
         return self
 
+    def _beam_incompatible_own(self) -> list[tuple[str, bool]]:
+        return [("logprobs", not self.logprobs), ("tools", self.tool_choice_mode == "none"),
+                ("echo", not self.echo)]
+
     @property
     def requested_logprobs(self) -> int | None:
         """Top alternatives per token wanted (0: the token's own only), or None."""
@@ -496,6 +540,9 @@ class CompletionRequest(_SamplingRequest):
     @property
     def requested_logprobs(self) -> int | None:
         return self.logprobs
+
+    def _beam_incompatible_own(self) -> list[tuple[str, bool]]:
+        return [("logprobs", self.logprobs is None), ("echo", not self.echo)]
 
     @field_validator("prompt")
     @classmethod

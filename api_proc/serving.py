@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import pydantic
 
 from api_proc.admission import AdmissionController, Reservation
+from api_proc.beam_search import BeamSearch, FinishedStream
 from api_proc.chat_output import ChatOutputParser
 from api_proc.config import ApiConfig
 from api_proc.detokenizer import IncrementalDetokenizer, NoDetokenizer
@@ -228,6 +229,30 @@ class Serving:
         start, end = self.config.reasoning_markers
         return tuple(self.builder.encode(start)), tuple(self.builder.encode(end))
 
+    async def _beam_search(self, rid: str, ids_per_prompt: list[list[int]],
+                           settings: _RequestSettings, max_tokens: int) -> list[FinishedStream]:
+        """Each prompt's n best beams (api_proc/beam_search.py), as finished streams."""
+        width, length_penalty = settings.beam
+        if width > self.config.max_n:
+            raise BadRequest(f"a beam width of {width} (best_of) is more than max_n="
+                             f"{self.config.max_n}", param="best_of")
+        search = BeamSearch(width=width, n=settings.n, max_tokens=max_tokens,
+                            temperature=settings.temperature or 0.0,
+                            length_penalty=length_penalty, ignore_eos=settings.ignore_eos,
+                            eos_token_ids=self.builder.eos_token_ids,
+                            num_logits=self.builder.num_logits)
+
+        def submit(request_id: str, ids: list[int], params: SamplingParams) -> RequestStream:
+            return self.engines.submit(AddRequest(request_id=request_id, prompt_token_ids=ids,
+                                                  sampling=params))
+
+        await self.engines.wait_for_room(self.config.admission_timeout_s)
+        streams = []
+        for i, ids in enumerate(ids_per_prompt):
+            beams = await search.run(submit, f"{rid}-{i}", ids)
+            streams += [FinishedStream(beam) for beam in beams]
+        return streams
+
     def _check_logit_bias(self, bias: dict[str, float] | None) -> None:
         size = self.builder.num_logits
         outside = sorted(int(t) for t in bias or () if int(t) >= size)
@@ -325,8 +350,14 @@ class Serving:
         sampling = [self._thinking(self._sampling(settings, max_tokens, i), settings, start)
                     for i in range(settings.n)]
         rid = rid or f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self._hand_off(rid, [prompt_ids] * settings.n, sampling, encoded,
-                                       body.reservation)
+        if settings.beam is not None:
+            if encoded:
+                raise BadRequest("use_beam_search with images is not supported",
+                                 param="use_beam_search")
+            streams = await self._beam_search(rid, [prompt_ids], settings, max_tokens)
+        else:
+            streams = await self._hand_off(rid, [prompt_ids] * settings.n, sampling, encoded,
+                                           body.reservation)
         encoded = None
         prepared = self._prepared("chat", rid, arrival, settings, len(prompt_ids), streams,
                                   make_output, [prompt_ids] * settings.n)
@@ -432,7 +463,10 @@ class Serving:
                 prompt_ids.append(ids)
                 sampling.append(self._sampling(settings, requested, i))
         rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self._hand_off(rid, prompt_ids, sampling, [])
+        if settings.beam is not None:
+            streams = await self._beam_search(rid, ids_per_prompt, settings, requested)
+        else:
+            streams = await self._hand_off(rid, prompt_ids, sampling, [])
         prepared = self._prepared("completion", rid, arrival, settings,
                                   sum(len(ids) for ids in ids_per_prompt), streams,
                                   prompt_ids=prompt_ids)
@@ -668,6 +702,7 @@ class _RequestSettings:
     echo_logprobs: bool = False  # completions: the echoed prompt with log-probabilities
     include_reasoning: bool = True
     thinking_token_budget: int | None = None
+    beam: tuple[int, float] | None = None  # use_beam_search: (width, length_penalty)
 
     @classmethod
     def of(cls, req) -> _RequestSettings:
@@ -687,4 +722,5 @@ class _RequestSettings:
                    prompt_logprobs=req.prompt_logprobs,
                    echo_logprobs=getattr(req, "echo_logprobs", False),
                    include_reasoning=getattr(req, "include_reasoning", True),
-                   thinking_token_budget=getattr(req, "thinking_token_budget", None))
+                   thinking_token_budget=getattr(req, "thinking_token_budget", None),
+                   beam=(req.beam_width, req.length_penalty) if req.use_beam_search else None)
