@@ -287,6 +287,7 @@ class ResponseWriter:
         metrics.generation_tokens.inc(n)
         if out.queued_s is not None:
             metrics.queue_time.observe(out.queued_s)
+            c.queued_s = out.queued_s
         if p.first_token_at is None:
             p.first_token_at = now
             metrics.ttft.observe(now - p.arrival)
@@ -300,10 +301,22 @@ class ResponseWriter:
 
     def _count_finished(self, p: Prepared, c: Choice, finish: str) -> None:
         now = time.monotonic()
-        self.metrics.count_finished(finish)
-        self.metrics.e2e.observe(now - p.arrival)
+        metrics = self.metrics
+        metrics.count_finished(finish)
+        metrics.e2e.observe(now - p.arrival)
         if c.first_token_at is not None and c.num_tokens > 1:
-            self.metrics.tpot.observe((c.last_token_at - c.first_token_at) / (c.num_tokens - 1))
+            metrics.tpot.observe((c.last_token_at - c.first_token_at) / (c.num_tokens - 1))
+        metrics.request_prompt_tokens.observe(c.num_prompt_tokens)
+        metrics.request_generation_tokens.observe(c.num_tokens)
+        metrics.request_max_tokens.observe(c.max_tokens)
+        metrics.request_n.observe(c.n)
+        if c.first_token_at is not None:
+            # vLLM's phases, from this process's clock: prefill from when an engine took it
+            # (arrival + its time in the engine's queue) to its first token, decode after
+            prefill = max(0.0, c.first_token_at - p.arrival - c.queued_s)
+            metrics.prefill_time.observe(prefill)
+            metrics.decode_time.observe(now - c.first_token_at)
+            metrics.inference_time.observe(prefill + now - c.first_token_at)
 
     def _parsed_chunks(self, p: Prepared, c: Choice, text: str, finish: str | None,
                        lp: object) -> list[bytes]:

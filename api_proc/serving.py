@@ -77,6 +77,11 @@ class Choice:
     echo: str = ""  # completions with echo: the prompt's text, sent before the completion
     first_token_at: float | None = None  # time.monotonic(), for the latency metrics
     last_token_at: float | None = None
+    queued_s: float = 0.0  # in an engine's waiting queue (with its first token)
+    # vLLM's per-request metrics: its prompt's tokens, its max_tokens, its request's n
+    num_prompt_tokens: int = 0
+    max_tokens: int = 0
+    n: int = 1
     num_chars: int = 0  # of the completion so far (completion logprobs' text_offset)
     output: ChatOutputParser | None = None  # chat: reads reasoning and tool calls out
     # prompt_logprobs: the engine's entries, once they came (non-streaming responses)
@@ -360,7 +365,7 @@ class Serving:
                                            body.reservation)
         encoded = None
         prepared = self._prepared("chat", rid, arrival, settings, len(prompt_ids), streams,
-                                  make_output, [prompt_ids] * settings.n)
+                                  max_tokens, make_output, [prompt_ids] * settings.n)
         for choice in prepared.choices:
             choice.echo = echo
         return prepared
@@ -468,7 +473,7 @@ class Serving:
         else:
             streams = await self._hand_off(rid, prompt_ids, sampling, [])
         prepared = self._prepared("completion", rid, arrival, settings,
-                                  sum(len(ids) for ids in ids_per_prompt), streams,
+                                  sum(len(ids) for ids in ids_per_prompt), streams, requested,
                                   prompt_ids=prompt_ids)
         if echo and not self.config.skip_tokenizer_init:  # token-out: ids, no text
             texts = [p if isinstance(p, str) else self.builder.decoder.decode(p) for p in prompts]
@@ -477,7 +482,7 @@ class Serving:
                 choice.num_chars = len(choice.echo)  # text_offset counts the echo too
         return prepared
 
-    def _prepared(self, kind, rid, arrival, settings, num_prompt_tokens, streams,
+    def _prepared(self, kind, rid, arrival, settings, num_prompt_tokens, streams, max_tokens,
                   make_output: Callable[[], ChatOutputParser] | None = None,
                   prompt_ids: list[list[int]] | None = None) -> Prepared:
         decoder = (self.builder.decoder if settings.skip_special_tokens
@@ -490,7 +495,8 @@ class Serving:
                 return NoDetokenizer()
             return IncrementalDetokenizer(decoder, settings.stop,
                                           settings.include_stop_str_in_output)
-        choices = [Choice(i, s, detokenizer(),
+        choices = [Choice(i, s, detokenizer(), num_prompt_tokens=len(prompt_ids[i]),
+                          max_tokens=max_tokens, n=settings.n,
                           logprobs=None if settings.logprobs is None else [],
                           output=None if make_output is None else make_output(),
                           prompt_token_ids=list(prompt_ids[i])

@@ -152,3 +152,36 @@ def test_required_tool_choice_with_response_format(oai):
     with pytest.raises(openai.BadRequestError, match="guided_regex"):
         oai.chat.completions.create(model=MODEL, messages=CHAT, tools=tools,
                                     tool_choice="required", extra_body={"guided_regex": "a"})
+
+
+VLLM_FAMILIES = ("request_prompt_tokens", "request_generation_tokens", "request_params_n",
+                 "request_params_max_tokens", "request_inference_time_seconds",
+                 "request_prefill_time_seconds", "request_decode_time_seconds",
+                 "mm_cache_queries", "mm_cache_hits")
+
+
+def test_vllm_metric_families(dropin_server, oai, builder):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def samples() -> dict[str, float]:
+        text = httpx.get(dropin_server.url + "/metrics").text
+        return {s.name: s.value for f in text_string_to_metric_families(text)
+                for s in f.samples if not s.labels.get("le")}
+
+    before = samples()
+    prompt = builder.encode("Hello my name is Robert")
+    for _ in range(2):
+        oai.completions.create(model=MODEL, prompt=prompt, max_tokens=5,
+                               extra_body={"ignore_eos": True})
+    after = samples()
+    for family in VLLM_FAMILIES:
+        assert any(name.startswith("vllm:" + family) for name in after), family
+
+    def grew(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    assert grew("vllm:request_prompt_tokens_sum") == 2 * len(prompt)
+    assert grew("vllm:request_generation_tokens_sum") == 10
+    assert grew("vllm:request_params_max_tokens_sum") == 10
+    assert grew("vllm:request_params_n_count") == 2
+    assert grew("vllm:request_decode_time_seconds_count") == 2
