@@ -74,7 +74,8 @@ class Choice:
     finish_reason: str | None = None
     texts: list[str] = field(default_factory=list)  # non-streaming responses only
     logprobs: list | None = None  # non-streaming: chat entries or completion parts so far
-    echo: str = ""  # completions with echo: the prompt's text, sent before the completion
+    echo: str = ""  # echo: the text sent before the completion (the prompt; chat: the last
+    # message, the assistant's)
     first_token_at: float | None = None  # time.monotonic(), for the latency metrics
     last_token_at: float | None = None
     queued_s: float = 0.0  # in an engine's waiting queue (with its first token)

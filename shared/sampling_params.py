@@ -85,8 +85,8 @@ class SamplingParams:
                 raise ValueError("thinking_token_budget must not be negative")
             if not self.think_start_ids or not self.think_end_ids:
                 raise ValueError("thinking_token_budget needs the thinking markers' token ids")
-            object.__setattr__(self, "think_start_ids", tuple(map(int, self.think_start_ids)))
-            object.__setattr__(self, "think_end_ids", tuple(map(int, self.think_end_ids)))
+        for name in ("think_start_ids", "think_end_ids"):  # lists off the wire
+            object.__setattr__(self, name, tuple(int(t) for t in getattr(self, name)))
         if self.structured is not None:
             kind, spec = self.structured
             if kind not in STRUCTURED_KINDS or not isinstance(spec, str):
