@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP app: `build_app(config) -> FastAPI`.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
-GET /metrics. Request bodies are read by the pipeline itself (api_proc/request_body.py), not by
+GET /metrics; vLLM's POST /v1/chat/completions/batch, POST /invocations (SageMaker's: chat
+or completions by the body's form), POST /tokenize, POST /detokenize, GET /version, GET /load
+(with --enable-server-load-tracking) and GET /openapi.json. Request bodies are read by the pipeline itself (api_proc/request_body.py), not by
 FastAPI's body parameters: FastAPI's route wrapper keeps the parsed body in its frame while a
 streaming response runs, which would pin every base64 image for the whole stream (R1).
 """
@@ -10,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import importlib.metadata
 import logging
 import secrets
 import time
@@ -23,15 +27,38 @@ from fastapi.responses import JSONResponse, Response
 from api_proc.admission import AdmissionController
 from api_proc.config import ApiConfig
 from api_proc.engine_client import EngineClient
-from api_proc.errors import HTTPError, Unauthorized, error_response, install_error_handlers
+from api_proc.errors import (
+    BadRequest,
+    HTTPError,
+    Unauthorized,
+    error_response,
+    install_error_handlers,
+)
 from api_proc.logprobs import LogprobsFormatter
 from api_proc.media_loader import MediaLoader
 from api_proc.metrics import Metrics
+from api_proc.openapi import install_openapi
 from api_proc.prompt_builder import PromptBuilder
-from api_proc.protocol import ModelCard, ModelList
-from api_proc.request_body import BodyReader, ClientGone, RequestBody, wait_for_disconnect
-from api_proc.responses import ResponseWriter
+from api_proc.protocol import (
+    BatchChatCompletionRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
+from api_proc.request_body import (
+    BodyReader,
+    ClientGone,
+    RequestBody,
+    body_keys,
+    wait_for_disconnect,
+)
+from api_proc.responses import ResponseWriter, StreamedResponse
 from api_proc.serving import Prepared, Serving
+from api_proc.tokenization import Tokenization
 from shared.model_config import load_model_config
 
 
@@ -60,6 +87,11 @@ async def run_until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
 
 logger = logging.getLogger(__name__)
 
+try:
+    VERSION = importlib.metadata.version("flatserve")
+except importlib.metadata.PackageNotFoundError:  # run from a checkout without installing
+    VERSION = "0.0.0"
+
 def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = None,
               engine_client: EngineClient | None = None,
               media_loader: MediaLoader | None = None) -> FastAPI:
@@ -77,7 +109,7 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
                       mm_inflight_bytes=lambda: admission.in_flight_bytes,
                       mm_inflight_budget=config.mm_inflight_budget,
                       engine_stats=lambda: [e.stats for e in engines.engines],
-                      model_name=config.model_name)
+                      model_name=config.model_name, max_model_len=builder.max_model_len)
     bodies = BodyReader(config.max_body_bytes, admission, config.body_read_timeout_s,
                         config.max_unread_bodies)
     serving = Serving(config, builder, loader, admission, engines, metrics)
@@ -92,8 +124,8 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
             await engines.close()
             await loader.aclose()
 
-    app = FastAPI(title="flatserve", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    app = FastAPI(title="flatserve", version=VERSION, lifespan=lifespan, docs_url=None,
+                  redoc_url=None)
     app.root_path = config.root_path  # behind a proxy serving under a prefix (as vLLM sets it)
     if config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
@@ -120,8 +152,27 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
         if not has_api_key(request):
             raise Unauthorized("invalid or missing API key (Authorization: Bearer ...)")
 
+    load = ServerLoad(config.enable_server_load_tracking)
+
     async def handle(endpoint: str, request: Request,
                      prepare: Callable[[RequestBody, float], Awaitable[Prepared]]) -> Response:
+        load.enter()
+        streaming = False
+        try:
+            response = await _handle(endpoint, request, prepare)
+            streaming = isinstance(response, StreamedResponse)
+            return response
+        finally:
+            if not streaming:
+                load.leave()
+
+    def count_end(endpoint: str, status: int) -> None:
+        """A streamed response is over."""
+        load.leave()
+        metrics.count_request(endpoint, status)
+
+    async def _handle(endpoint: str, request: Request,
+                      prepare: Callable[[RequestBody, float], Awaitable[Prepared]]) -> Response:
         arrival = time.monotonic()
         metrics.num_preparing.inc()
         body = None
@@ -145,8 +196,7 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
                 body.release()  # admission bytes the pipeline did not take over
             body = None
         if prepared.stream:
-            return responses.stream(prepared,
-                                    lambda status: metrics.count_request(endpoint, status))
+            return responses.stream(prepared, functools.partial(count_end, endpoint))
         try:
             body = await run_until_disconnect(request, responses.collect(prepared))
         except HTTPError as e:
@@ -166,11 +216,73 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
     async def completions(request: Request) -> Response:
         return await handle("completions", request, serving.prepare_completion)
 
+    @app.post("/v1/chat/completions/batch", dependencies=[Depends(check_api_key)])
+    async def chat_completions_batch(request: Request) -> Response:
+        return await handle("chat_batch", request, serving.prepare_chat_batch)
+
+    async def prepare_invocation(body: RequestBody, arrival: float) -> Prepared:
+        data = body.take()
+        keys = body_keys(data)
+        if "messages" not in keys and "prompt" not in keys:
+            raise BadRequest("an invocation is a chat request (messages) or a completion "
+                             "request (prompt); this body has neither")
+        body.data = data
+        data = None
+        if "messages" in keys:
+            return await serving.prepare_chat(body, arrival)
+        return await serving.prepare_completion(body, arrival)
+
+    @app.post("/invocations", dependencies=[Depends(check_api_key)])
+    async def invocations(request: Request) -> Response:
+        return await handle("invocations", request, prepare_invocation)
+
+    tokenization = Tokenization(serving, loader)
+
+    async def tokenization_route(endpoint: str, request: Request, work) -> Response:
+        body = None
+        try:
+            body = await bodies.read(request)
+            result = await run_until_disconnect(request, work(body))
+        except HTTPError as e:
+            metrics.count_request(endpoint, e.status)
+            return error_response(e, close=body is None)
+        except ClientGone:
+            metrics.count_request(endpoint, 499)
+            return Response(status_code=499)
+        finally:
+            if body is not None:
+                body.release()
+            body = None
+        metrics.count_request(endpoint, 200)
+        return JSONResponse(result)
+
+    async def detokenize_body(body: RequestBody) -> dict:
+        return tokenization.detokenize(body)
+
+    @app.post("/tokenize", dependencies=[Depends(check_api_key)])
+    async def tokenize(request: Request) -> Response:
+        return await tokenization_route("tokenize", request, tokenization.tokenize)
+
+    @app.post("/detokenize", dependencies=[Depends(check_api_key)])
+    async def detokenize(request: Request) -> Response:
+        return await tokenization_route("detokenize", request, detokenize_body)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": VERSION}
+
+    if config.enable_server_load_tracking:
+        @app.get("/load")
+        async def server_load() -> dict:
+            return {"server_load": load.num_requests}
+
     created = int(time.time())
 
     @app.get("/v1/models", dependencies=[Depends(check_api_key)])
     async def models() -> dict:
-        cards = [ModelCard(id=name, created=created, max_model_len=builder.max_model_len)
+        # vLLM's root: the checkpoint the served names stand for
+        cards = [ModelCard(id=name, created=created, max_model_len=builder.max_model_len,
+                           root=config.model)
                  for name in config.served_model_name]
         return ModelList(data=cards).model_dump()
 
@@ -201,4 +313,31 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
 
+    install_openapi(app, {
+        "/v1/chat/completions": [ChatCompletionRequest],
+        "/v1/completions": [CompletionRequest],
+        "/v1/chat/completions/batch": [BatchChatCompletionRequest],
+        "/invocations": [ChatCompletionRequest, CompletionRequest],
+        "/tokenize": [TokenizeCompletionRequest, TokenizeChatRequest],
+        "/detokenize": [DetokenizeRequest]})
     return app
+
+
+class ServerLoad:
+    """vLLM's server_load: the requests being served (chat, completions, their batch and
+    invocations), from the arrival of each to the end of its response, streamed or not.
+    Counted only when tracking is on."""
+
+    __slots__ = ("enabled", "num_requests")
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.num_requests = 0
+
+    def enter(self) -> None:
+        if self.enabled:
+            self.num_requests += 1
+
+    def leave(self) -> None:
+        if self.enabled:
+            self.num_requests -= 1

@@ -25,6 +25,11 @@ class ChatOutputParser:
     def num_calls(self) -> int:
         return 0 if self._tools is None else self._tools.num_calls
 
+    @property
+    def calls_only(self) -> bool:
+        """tool_choice required or named: the message's content is "" beside its calls."""
+        return self._tools is not None and self._tools.calls_only
+
     def feed(self, text: str) -> list[dict]:
         if self._reasoning is None:
             return self._tools.feed(text)

@@ -62,6 +62,27 @@ def parse_mm_limit(text: str) -> int:
 
 
 IMAGE_SIZE_KWARGS = ("min_pixels", "max_pixels")
+REASONING_CONFIG_KEYS = ("reasoning_start_str", "reasoning_end_str")
+
+
+def parse_reasoning_config(text: str) -> str:
+    """--reasoning-config: vLLM's JSON object naming the thinking markers
+    ('{"reasoning_start_str": "<think>", "reasoning_end_str": "</think>"}'), as canonical
+    JSON text; other keys are refused by name."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
+    for key, marker in value.items():
+        if key not in REASONING_CONFIG_KEYS:
+            raise argparse.ArgumentTypeError(
+                f"unknown reasoning setting {key!r}: flatserve takes "
+                f"{', '.join(REASONING_CONFIG_KEYS)}")
+        if not isinstance(marker, str) or not marker:
+            raise argparse.ArgumentTypeError(f"{key} must be a non-empty string")
+    return json.dumps(value)
 
 
 def template_kwargs_json(text: str) -> str:
@@ -188,7 +209,8 @@ class ApiConfig:
     media_workers: int = opt(0, "threads decoding and resizing images (0: min(4, cpus))")
     max_n: int = opt(16, "most choices (n) per request")
     max_logprobs: int = opt(20, "most top_logprobs (chat) or logprobs (completions) a request "
-                                "may ask for")
+                                "may ask for; -1: the whole vocabulary (requests may then ask "
+                                "for -1, as in vLLM)")
     generation_config: str = opt(
         "auto", "default sampling settings for requests that leave them out: 'auto' reads the "
         "model folder's generation_config.json (temperature, top_p, top_k, "
@@ -213,6 +235,22 @@ class ApiConfig:
     reasoning_parser: str | None = opt(
         None, "read the model's <think>...</think> out of chat completions into "
         "message.reasoning (and reasoning_content)", choices=REASONING_PARSERS)
+    return_tokens_as_token_ids: bool = opt(
+        False, "write log-probability tokens as 'token_id:ID' (a request's "
+        "return_tokens_as_token_ids overrides it), as vLLM does")
+    skip_tokenizer_init: bool = opt(
+        False, "token in, token out (vLLM's): /v1/completions takes token id prompts only and "
+        "answers with ids (return_token_ids), no text; chat and text prompts are refused")
+    enable_force_include_usage: bool = opt(
+        False, "usage in every streamed chunk, whatever stream_options say (vLLM's)")
+    enable_server_load_tracking: bool = opt(
+        False, "count the requests being served, for GET /load (vLLM's server_load)")
+    uds: str | None = opt(None, "listen on this Unix domain socket instead of --host and "
+                                "--port (vLLM's --uds)")
+    reasoning_config: str | None = opt(
+        None, "the thinking markers thinking_token_budget counts between and forces, vLLM's "
+        "JSON object '{\"reasoning_start_str\": \"<think>\", \"reasoning_end_str\": "
+        "\"</think>\"}' (default: the reasoning parser's)", parse=parse_reasoning_config)
     default_chat_template_kwargs: str | None = opt(
         None, "chat template variables for every chat request, a JSON object such as "
         "'{\"enable_thinking\": false}'; a request's chat_template_kwargs override them",
@@ -275,6 +313,9 @@ class ApiConfig:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                              f"got {self.tool_call_parser!r}")
+        if self.reasoning_config is not None and self.reasoning_parser is None:
+            raise ValueError("reasoning_config applies with a reasoning_parser (which reads "
+                             "the thinking out)")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
                              f"got {self.reasoning_parser!r}")
@@ -286,8 +327,9 @@ class ApiConfig:
             object.__setattr__(self, "default_chat_template_kwargs", text)
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser")
-        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs}")
+        if not -1 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs must be in [-1, {MAX_LOGPROBS}], got "
+                             f"{self.max_logprobs}")
         if self.generation_config not in ("auto", "vllm") and not (
                 Path(self.generation_config) / "generation_config.json").is_file():
             raise ValueError(f"generation_config: {self.generation_config} is not 'auto', 'vllm' "
@@ -354,6 +396,13 @@ class ApiConfig:
         data = json.loads(path.read_text())
         keys = ("temperature", "top_p", "top_k", "repetition_penalty")
         return {k: data[k] for k in keys if isinstance(data.get(k), int | float)}
+
+    @property
+    def reasoning_markers(self) -> tuple[str, str]:
+        """The thinking start and end markers (--reasoning-config, else the parsers')."""
+        given = json.loads(self.reasoning_config) if self.reasoning_config else {}
+        return (given.get("reasoning_start_str", "<think>"),
+                given.get("reasoning_end_str", "</think>"))
 
     @property
     def template_defaults(self) -> dict:

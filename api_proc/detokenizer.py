@@ -111,6 +111,19 @@ class _WindowStream:
         return after[len(before):]
 
 
+class NoDetokenizer:
+    """--skip-tokenizer-init: token ids only, no text (vLLM's token-out)."""
+
+    __slots__ = ()
+    stopped = False
+
+    def step(self, token_ids: list[int]) -> str:
+        return ""
+
+    def finish(self) -> str:
+        return ""
+
+
 class IncrementalDetokenizer:
     """Turns one request's token stream into text deltas; `stopped` once a stop string hit.
 

@@ -557,6 +557,8 @@ class RequestStream:
                     pending.logprobs = output.logprobs
                 else:
                     pending.logprobs.extend(output.logprobs)
+            if output.prompt_logprobs is not None:  # sent once, with the first token
+                pending.prompt_logprobs = output.prompt_logprobs
             pending.finish_reason = output.finish_reason
             pending.num_completion_tokens = output.num_completion_tokens
             pending.error, pending.error_code = output.error, output.error_code

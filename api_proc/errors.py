@@ -93,14 +93,46 @@ def error_response(err: HTTPError, *, close: bool = False) -> JSONResponse:
     return JSONResponse(err.to_dict(), status_code=err.status, headers=headers)
 
 
+_BOUNDS = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal"})
+# what pydantic puts in an error's location for the branch of a union it tried
+_BRANCH_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _is_branch(part) -> bool:
+    return isinstance(part, str) and (part in _BRANCH_NAMES or "[" in part)
+
+
+def _readable(errors: list[dict]) -> list[dict]:
+    """Errors as a client reads them: a union's branches that failed only because the value
+    has another type ("Input should be a valid string" for a list of parts) are left out
+    when another branch says what is wrong, and branch names are left out of locations."""
+    def wrong_type_branch(e: dict) -> bool:
+        return e.get("type", "").endswith("_type") and any(map(_is_branch, e.get("loc", ())))
+
+    def location(loc: tuple) -> tuple:
+        out, skip_tag = [], -1
+        for i, x in enumerate(loc):
+            if isinstance(x, str) and "tagged-union[" in x:
+                skip_tag = i + 2  # list[tagged-union[...]], index, tag: the tag is not a field
+            if not _is_branch(x) and i != skip_tag:
+                out.append(x)
+        return tuple(out)
+
+    kept = [e for e in errors if not wrong_type_branch(e)] or errors
+    return [{**e, "loc": location(e.get("loc", ()))} for e in kept]
+
+
 def format_validation_errors(errors: list[dict]) -> str:
     """One line per problem, field path first; the offending input values are left out."""
     parts = []
+    errors = _readable(errors)
     for e in errors[:8]:
         loc = ".".join(str(x) for x in e.get("loc", ()) if x not in ("body",))
         msg = e.get("msg", "invalid").removeprefix("Value error, ")
         if e.get("type") == "extra_forbidden":
             msg = "not supported by this server"
+        elif e.get("type") in _BOUNDS:  # pydantic's name for it too, as vLLM's texts have
+            msg = f"{msg} [type={e['type']}]"
         parts.append(f"{loc}: {msg}" if loc else msg)
     if len(errors) > 8:
         parts.append(f"... and {len(errors) - 8} more")

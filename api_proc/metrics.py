@@ -35,13 +35,24 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
+def one_two_five_buckets(limit: int) -> tuple[float, ...]:
+    """vLLM's 1, 2, 5, 10, 20, 50, ... buckets up to `limit`."""
+    buckets, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return tuple(buckets)
+            buckets.append(float(m * scale))
+        scale *= 10
+
+
 class Metrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self, *, num_waiting: Callable[[], float], num_running: Callable[[], float],
                  mm_inflight_bytes: Callable[[], float], mm_inflight_budget: int,
                  engine_stats: Callable[[], Iterable[EngineStats | None]],
-                 model_name: str = "flatserve"):
+                 model_name: str = "flatserve", max_model_len: int = 8192):
         self.registry = r = CollectorRegistry()
         label = ["model_name"]
 
@@ -72,6 +83,26 @@ class Metrics:
         self.queue_time = histogram("vllm:request_queue_time_seconds",
                                     "Histogram of time spent in WAITING phase for request.",
                                     REQUEST_LATENCY_BUCKETS)
+        self.inference_time = histogram(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = histogram(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.decode_time = histogram(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
+        lengths = one_two_five_buckets(max_model_len)
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", lengths)
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", lengths)
+        self.request_max_tokens = histogram(
+            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+            lengths)
+        self.request_n = histogram("vllm:request_params_n",
+                                   "Histogram of the n request parameter.",
+                                   (1.0, 2.0, 5.0, 10.0, 20.0))
         # ---- flatserve's
         self.requests = Counter("flatserve_requests", "Finished HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
@@ -95,12 +126,21 @@ class Metrics:
         self.image_resubmits = Counter(
             "flatserve_image_resubmits", "Requests sent again with pixels: the engine had "
             "evicted an image sent without them", registry=r)
+        self.unknown_keys = Counter(
+            "flatserve_unknown_keys_ignored", "Keys inside chat messages, content parts and "
+            "their tool calls that the server does not know, ignored as vLLM ignores them",
+            ["where"], registry=r)
         self.engine_restarts = Counter(
             "flatserve_engine_restarts", "Engines spawned again after they died", registry=r)
         r.register(EngineStatsCollector(engine_stats, model_name))
 
     def count_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
+
+    def count_unknown_key(self, where: str) -> None:
+        """An ignored key inside a message ("message"), a content part ("part") or a tool
+        call of a message ("tool_call")."""
+        self.unknown_keys.labels(where).inc()
 
     def count_finished(self, reason: str) -> None:
         """A request that ended without an error ("stop", "length", "abort", ...)."""
@@ -150,6 +190,12 @@ class EngineStatsCollector(Collector):
         yield vllm(CounterMetricFamily, "vllm:prefix_cache_hits",
                    "Prefix cache hits, in terms of number of cached tokens.",
                    total("prefix_cache_hits"))
+        yield vllm(CounterMetricFamily, "vllm:mm_cache_queries",
+                   "Multi-modal cache queries, in terms of number of queried items.",
+                   total("encoder_cache_queries"))
+        yield vllm(CounterMetricFamily, "vllm:mm_cache_hits",
+                   "Multi-modal cache hits, in terms of number of cached items.",
+                   total("encoder_cache_hits"))
         yield GaugeMetricFamily("flatserve_engine_mm_bytes_held",
                                 "Pixels, vision states and embeddings the engines' requests hold",
                                 value=total("mm_bytes_held"))

@@ -107,6 +107,24 @@ def _has_tool_turns(messages: list[dict]) -> bool:
     return any(m["role"] == "tool" or "tool_calls" in m for m in messages)
 
 
+def _cut_after_final_message(text: str, messages: list[dict]) -> str:
+    """`text` up to the end of the last message's text, as transformers cuts it for
+    continue_final_message; 400 when the template did not write that text."""
+    final = messages[-1]["content"] if messages else ""
+    if isinstance(final, list):
+        final = next((p["text"] for p in reversed(final) if p.get("type") == "text"), None)
+        if final is None:
+            raise BadRequest("continue_final_message: the final message has no text to "
+                             "continue", param="continue_final_message")
+    at = text.rfind(final.strip()) if final.strip() else -1
+    if at < 0:
+        raise BadRequest("continue_final_message: the chat template does not write the "
+                         "final message's text", param="continue_final_message")
+    if text[at:at + len(final.lstrip())] == final.lstrip():  # the template kept its spacing
+        return text[:at + len(final.lstrip())]
+    return text[:at + len(final.strip())]
+
+
 class PromptBuilder:
     def __init__(self, folder: str | Path, model_config: ModelConfig, max_model_len: int = 0,
                  chat_template: str | Path | None = None):
@@ -130,6 +148,8 @@ class PromptBuilder:
         self.video_token_id = model_config.video_token_id
         self.merge_size = model_config.image.merge_size
         self.vocab_size = max(model_config.text.vocab_size, self.tokenizer.get_vocab_size())
+        self.num_logits = model_config.text.vocab_size  # the ids a model can score
+        self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self.max_model_len = max_model_len or model_config.text.max_position_embeddings
         # No token covers more bytes than the longest vocabulary entry (byte-level BPE writes
         # one character per byte), and no character is less than a byte; twice that for what
@@ -159,10 +179,19 @@ class PromptBuilder:
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None,
-                    template_kwargs: dict | None = None) -> str:
+                    template_kwargs: dict | None = None,
+                    continue_final_message: bool = False) -> str:
         """The conversation as text; `tools`: OpenAI tool definitions (as dicts);
         `template_kwargs`: extra template variables (chat_template_kwargs), never one of
-        the template's own (protocol.TEMPLATE_OWN_NAMES: refused before this)."""
+        the template's own (protocol.TEMPLATE_OWN_NAMES: refused before this);
+        `continue_final_message`: the text ends inside the last message, which the model
+        goes on writing (vLLM's and transformers' meaning)."""
+        text = self._render(messages, add_generation_prompt and not continue_final_message,
+                            tools, template_kwargs)
+        return _cut_after_final_message(text, messages) if continue_final_message else text
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool,
+                tools: list[dict] | None, template_kwargs: dict | None) -> str:
         template = self._template
         variables = dict(template_kwargs or {})
         if tools or _has_tool_turns(messages):
@@ -215,9 +244,10 @@ class PromptBuilder:
             ids = self.encode(prompt)
         else:
             ids = list(prompt)
-            if any(not 0 <= t < self.vocab_size for t in ids):
-                raise BadRequest(f"prompt token ids must be in [0, {self.vocab_size})",
-                                      param="prompt")
+            outside = next((t for t in ids if not 0 <= t < self.num_logits), None)
+            if outside is not None:  # vLLM's words, which clients match
+                raise BadRequest(f"Token id {outside} is out of vocabulary (vocabulary size "
+                                 f"{self.num_logits})", param="prompt")
         return self.expand_image_tokens(ids, [])
 
     def expand_image_tokens(self, ids: list[int], image_grids: list[tuple[int, int, int]]) -> list[int]:

@@ -34,46 +34,75 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class _MessageItem(BaseModel):
+    """Inside a message: keys the server does not know are kept aside (model_extra) and
+    ignored, as vLLM does (agent frameworks add their own); serving.py logs and counts
+    their names (unknown_keys.py). Top-level request fields stay refused by name."""
+
+    model_config = ConfigDict(extra="allow")
+
+
 # ---------------------------------------------------------------- requests
 
 
-class ImageURL(_Request):
+class ImageURL(_MessageItem):
     url: str = Field(min_length=1)
     detail: Literal["auto", "low", "high"] | None = None
 
 
-class TextPart(_Request):
+class TextPart(_MessageItem):
     type: Literal["text"]
     text: str
 
 
-class ImageURLPart(_Request):
+UUID_WITHOUT_MEDIA = (
+    "uuid without the image it names is not supported: cached images are keyed by their "
+    "content, and a key the client chooses would let one client read another's cached image; "
+    "send the image with its uuid")
+
+
+class ImageURLPart(_MessageItem):
     type: Literal["image_url"]
-    image_url: ImageURL
+    image_url: ImageURL | None = None
+    # vLLM's name for the media; accepted beside the image it names, never used as a cache
+    # key (the content hash is: shared/image_key.py)
+    uuid: str | None = Field(default=None, max_length=256)
 
     @field_validator("image_url", mode="before")
     @classmethod
-    def _bare_url(cls, v):
-        return {"url": v} if isinstance(v, str) else v
+    def _url_object(cls, v):
+        if isinstance(v, str):
+            raise ValueError('must be an object {"url": ...}, not a string (as in vLLM and '
+                             "OpenAI)")
+        return v
+
+    @model_validator(mode="after")
+    def _media_given(self):
+        if self.image_url is None:
+            raise ValueError(UUID_WITHOUT_MEDIA if self.uuid is not None
+                             else "image_url is required")
+        return self
 
 
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
 
 
-class FunctionCall(_Request):
+class FunctionCall(_MessageItem):
     name: str = Field(min_length=1)
     arguments: str  # JSON text of an object, as OpenAI writes it
 
 
-class ToolCall(_Request):
+class ToolCall(_MessageItem):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+class ChatMessage(_MessageItem):
+    # system, developer, user, assistant, tool, or any other: vLLM passes the role to the
+    # chat template, which renders it or refuses it (400)
+    role: str = Field(min_length=1, max_length=64)
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant messages: the calls it made
@@ -98,6 +127,7 @@ class ChatMessage(_Request):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (with include_usage)
 
 
 MAX_CONSTRAINT_CHARS = 65536  # of a schema, regex or grammar
@@ -244,7 +274,8 @@ class _SamplingRequest(_Request):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1, lt=2**31)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)  # must fit the wire and torch
+    # vLLM's bounds (a torch.long); serving.py folds a negative seed into [0, 2**63)
+    seed: int | None = Field(default=None, ge=-2**63, le=2**63 - 1)
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=64)  # vLLM extension
     ignore_eos: bool = False  # extension
@@ -270,6 +301,16 @@ class _SamplingRequest(_Request):
         default=None, min_length=1, max_length=1024)
     guided_grammar: str | None = Field(default=None, max_length=MAX_CONSTRAINT_CHARS)
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's: log-probability tokens written "token_id:ID" (also --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: bool | None = None
+    # vLLM's: the prompt's and each choice's token ids in the response
+    return_token_ids: bool = False
+    # vLLM's: the prompt tokens' log-probabilities and the k most likely there (-1: all)
+    prompt_logprobs: int | None = Field(default=None, ge=-1, le=MAX_LOGPROBS)
+    # vLLM's beam search (api_proc/beam_search.py): width max(n, best_of), the n best back
+    use_beam_search: bool = False
+    best_of: int | None = Field(default=None, ge=1)
+    length_penalty: float = Field(default=1.0, ge=-10.0, le=10.0)
 
     @field_validator("stop")
     @classmethod
@@ -297,12 +338,59 @@ class _SamplingRequest(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
     @field_validator("guided_json")
     @classmethod
     def _guided_json(cls, v):
         if v is not None:
             _schema_text(v)
         return v
+
+    @model_validator(mode="after")
+    def _beam_search_fields(self):
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+        if not self.use_beam_search:
+            if self.best_of not in (None, self.n):
+                raise ValueError("best_of other than n needs use_beam_search: flatserve "
+                                 "samples exactly n choices")
+            if self.length_penalty != 1.0:
+                raise ValueError("length_penalty applies with use_beam_search")
+            return self
+        given = [name for name, neutral in self._beam_incompatible() if not neutral]
+        if given:
+            raise ValueError(f"{', '.join(given)} cannot go with use_beam_search (not "
+                             "supported)")
+        return self
+
+    def _beam_incompatible(self) -> list[tuple[str, bool]]:
+        """Fields beam search does not honour, and whether each is at its neutral value."""
+        return [("stream", not self.stream), ("stop", not self.stop),
+                ("presence_penalty", not self.presence_penalty),
+                ("frequency_penalty", not self.frequency_penalty),
+                ("repetition_penalty", self.repetition_penalty in (None, 1.0)),
+                ("logit_bias", not self.logit_bias), ("min_tokens", not self.min_tokens),
+                ("prompt_logprobs", self.prompt_logprobs is None),
+                ("top_p", self.top_p in (None, 1.0)), ("top_k", self.top_k in (None, 0, -1)),
+                *((name, False) for name in self._constraints_given()),
+                *self._beam_incompatible_own()]
+
+    def _beam_incompatible_own(self) -> list[tuple[str, bool]]:
+        return []
+
+    @property
+    def beam_width(self) -> int:
+        return max(self.n, self.best_of or self.n)
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self):
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not available with stream: true (as in "
+                             "vLLM)")
+        return self
 
     @model_validator(mode="after")
     def _one_constraint(self):
@@ -335,15 +423,13 @@ class _SamplingRequest(_Request):
         return next((value for _, value in self._constraints() if value is not None), None)
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatPromptFields(_Request):
+    """What makes a chat prompt (vLLM's extensions beside messages and tools)."""
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
-    # None: "auto" when tools are given, "none" otherwise (OpenAI's defaults)
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # None: true, OpenAI's default
+    # vLLM's: the assistant turn's opening is written, or the last message is continued
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     # vLLM extension: extra variables of the chat template (enable_thinking, ...)
     chat_template_kwargs: dict[str, JsonValue] | None = None
 
@@ -351,6 +437,31 @@ class ChatCompletionRequest(_SamplingRequest):
     @classmethod
     def _template_kwargs(cls, v):
         return None if v is None else check_template_kwargs(v)
+
+    @model_validator(mode="after")
+    def _continue_or_open(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both "
+                             "be true: the model either continues the final message or opens "
+                             "a new one (set add_generation_prompt: false)")
+        return self
+
+
+class ChatCompletionRequest(ChatPromptFields, _SamplingRequest):
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=-1, le=MAX_LOGPROBS)  # -1: all
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    # None: "auto" when tools are given, "none" otherwise (OpenAI's defaults)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # None: true, OpenAI's default
+    # vLLM's: the response starts with the final message's content when it is the
+    # assistant's (with continue_final_message, the text being continued)
+    echo: bool = False
+    # vLLM's, with --reasoning-parser: false leaves the reasoning out of the response
+    include_reasoning: bool = True
+    # vLLM's: the most tokens the model may think before its thinking is ended for it
+    thinking_token_budget: int | None = Field(default=None, ge=0, lt=2**31)
 
     @field_validator("tools")
     @classmethod
@@ -373,7 +484,11 @@ class ChatCompletionRequest(_SamplingRequest):
 
     @model_validator(mode="after")
     def _tools_or_constraint(self):
-        if self.tools_constrain_output and self._constraints_given():
+        given = self._constraints_given()
+        if self.tool_choice_mode in ("required", "named") and given == ["response_format"]:
+            # vLLM's: the calls' grammar governs the output, whose content is "" then
+            return self
+        if self.tools_constrain_output and given:
             raise ValueError(f"tool_choice {self.tool_choice_mode!r} constrains the output "
                              "(tool_grammar.py); it cannot go with "
                              f"{', '.join(self._constraints_given())}")
@@ -400,6 +515,10 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("top_logprobs needs logprobs: true")
         return self
 
+    def _beam_incompatible_own(self) -> list[tuple[str, bool]]:
+        return [("logprobs", not self.logprobs), ("tools", self.tool_choice_mode == "none"),
+                ("echo", not self.echo)]
+
     @property
     def requested_logprobs(self) -> int | None:
         """Top alternatives per token wanted (0: the token's own only), or None."""
@@ -410,34 +529,80 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.max_completion_tokens or self.max_tokens
 
 
+EMPTY_PROMPT = "the decoder prompt cannot be empty"  # vLLM's words, which clients match
+
+
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(default=None, ge=-1, le=MAX_LOGPROBS)  # -1: all (vLLM's)
 
     @property
     def requested_logprobs(self) -> int | None:
         return self.logprobs
 
+    def _beam_incompatible_own(self) -> list[tuple[str, bool]]:
+        return [("logprobs", self.logprobs is None), ("echo", not self.echo)]
+
     @field_validator("prompt")
     @classmethod
     def _non_empty(cls, v):
         if isinstance(v, list) and not v:
-            raise ValueError("prompt must not be empty")
+            raise ValueError(EMPTY_PROMPT)
         if isinstance(v, list) and isinstance(v[0], list) and any(not p for p in v):
-            raise ValueError("token prompts must not be empty")
+            raise ValueError(EMPTY_PROMPT)
         return v
 
     @model_validator(mode="after")
-    def _echo_without_logprobs(self):
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs is not supported (the prompt's log-"
-                             "probabilities are not computed)")
+    def _echo_with_logprobs_not_streamed(self):
+        if self.echo and self.logprobs is not None and self.stream:
+            raise ValueError("echo with logprobs is not supported with stream: true (the "
+                             "prompt's log-probabilities come with the whole response)")
         return self
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """The echoed prompt carries log-probabilities too (vLLM's echo with logprobs)."""
+        return self.echo and self.logprobs is not None
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+
+class BatchChatCompletionRequest(ChatCompletionRequest):
+    """POST /v1/chat/completions/batch (vLLM's): `messages` is a list of conversations, each
+    answered by one choice of one response (not streamed; n 1)."""
+
+    messages: list[Annotated[list[ChatMessage], Field(min_length=1)]] = Field(min_length=1)
+    stream: Literal[False] = False
+    n: Literal[1] = 1
+
+
+class TokenizeCompletionRequest(_Request):
+    """POST /tokenize with a prompt (vLLM's)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(ChatPromptFields):
+    """POST /tokenize with messages (vLLM's): the chat prompt's ids, images expanded."""
+
+    model: str | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+MAX_DETOKENIZE_IDS = 1 << 20
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[TokenId] = Field(max_length=MAX_DETOKENIZE_IDS)
 
 
 # ---------------------------------------------------------------- responses
@@ -449,10 +614,23 @@ class UsageInfo(_Body):
     total_tokens: int = 0
 
 
+class MadeFunctionCall(_Body):
+    name: str  # "" when a forced call was cut before its name was written
+    arguments: str
+
+
+class MadeToolCall(_Body):
+    """A call the model made (a request's ToolCall is one it made before)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: MadeFunctionCall
+
+
 class ChatCompletionMessage(_Body):
     role: Literal["assistant"] = "assistant"
     content: str | None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: list[MadeToolCall] = Field(default_factory=list)  # vLLM's: [] without calls
     # --reasoning-parser: the text the model thought, under vLLM's new name and its old one
     reasoning: str | None = None
     reasoning_content: str | None = None
@@ -490,9 +668,18 @@ class ChatLogprobs(_Body):
 
 class CompletionLogprobs(_Body):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: the prompt's first token (echo)
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(_Body):
+    """vLLM's entry of a prompt position, keyed by token id: the prompt's own token and the
+    top alternatives there."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 class ChatCompletionChoice(_Body):
@@ -500,6 +687,7 @@ class ChatCompletionChoice(_Body):
     message: ChatCompletionMessage
     finish_reason: str | None
     logprobs: ChatLogprobs | None = None
+    token_ids: list[int] | None = None  # return_token_ids (vLLM's); left out otherwise
 
 
 class ChatCompletionResponse(_Body):
@@ -509,6 +697,9 @@ class ChatCompletionResponse(_Body):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_token_ids: list[int] | None = None  # return_token_ids (vLLM's); left out otherwise
+    # vLLM's: the prompt's log-probabilities (prompt_logprobs), null when not asked for
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class ChatDelta(_Body):
@@ -524,6 +715,7 @@ class ChatCompletionChunkChoice(_Body):
     delta: ChatDelta
     finish_reason: str | None = None
     logprobs: ChatLogprobs | None = None
+    token_ids: list[int] | None = None  # return_token_ids: this chunk's
 
 
 class ChatCompletionChunk(_Body):
@@ -533,6 +725,7 @@ class ChatCompletionChunk(_Body):
     model: str
     choices: list[ChatCompletionChunkChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: on the first chunk
 
 
 class CompletionChoice(_Body):
@@ -540,6 +733,11 @@ class CompletionChoice(_Body):
     text: str
     finish_reason: str | None
     logprobs: CompletionLogprobs | None = None
+    # return_token_ids (vLLM's): its prompt's ids (streamed: in its first chunk) and its own
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
+    # vLLM's: its prompt's log-probabilities (prompt_logprobs), null when not asked for
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(_Body):
@@ -565,6 +763,8 @@ class ModelCard(_Body):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "flatserve"
+    root: str | None = None  # vLLM's: the model folder the name stands for
+    parent: str | None = None  # vLLM's: a LoRA adapter's base model (none here)
     max_model_len: int | None = None
 
 

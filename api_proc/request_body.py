@@ -5,6 +5,7 @@ pipeline takes the bytes out of the holder (R1)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Awaitable, Callable
 
@@ -45,6 +46,16 @@ class RequestBody:
         """Give back whatever the pipeline has not exchanged (idempotent)."""
         if self.reservation is not None:
             self.reservation.release()
+
+
+def body_keys(data: bytes) -> frozenset[str]:
+    """The top-level keys of a JSON object body (none when it is not one), for routes that
+    take several request forms; the form's own parse reports what is wrong."""
+    try:
+        value = json.loads(data)
+    except ValueError:
+        return frozenset()
+    return frozenset(value) if isinstance(value, dict) else frozenset()
 
 
 # Bodies below this are read without admission: uvicorn buffers this much of every

@@ -123,9 +123,9 @@ class StreamedResponse(Response):
                         "headers": self.raw_headers})
             for c in p.choices:
                 if p.kind == "chat":
-                    out(w._chunk(p, c.index, None, None))
-                elif c.echo:
-                    out(w._chunk(p, c.index, c.echo, None))
+                    out(w._chunk(p, c, None, None))
+                if c.echo:
+                    out(w._chunk(p, c, c.echo, None))
             outputs.start()
             watcher = asyncio.ensure_future(wait_for_disconnect(receive))
             await asyncio.wait((outputs.done, watcher), return_when=asyncio.FIRST_COMPLETED)
@@ -173,7 +173,7 @@ class ResponseWriter:
     async def collect(self, p: Prepared) -> dict:
         """Run a non-streaming request to the end; the OpenAI response body."""
         for c in p.choices:
-            if c.echo:
+            if c.echo and p.kind == "completion":  # chat: before the message's content
                 c.texts.append(c.echo)
         outputs = _Outputs(self, p, functools.partial(self._gather, p))
         outputs.start()
@@ -188,20 +188,48 @@ class ResponseWriter:
             finally:
                 error = None  # the traceback holds this frame: no cycle back to the error
         if p.kind == "chat":
-            messages = [_message(c) for c in p.choices]  # before _finish_reason: calls read
-            return ChatCompletionResponse(
+            messages = [_message(c, p.include_reasoning)
+                        for c in p.choices]  # before _finish_reason: calls read
+            body = ChatCompletionResponse(
                 id=p.id, created=p.created, model=p.model, usage=p.usage,
+                prompt_token_ids=p.choices[0].prompt_token_ids,
+                prompt_logprobs=self._prompt_logprobs(p, p.choices[0]),
                 choices=[ChatCompletionChoice(
                     index=c.index, finish_reason=_finish_reason(c), message=message,
-                    logprobs=None if c.logprobs is None else {"content": c.logprobs})
+                    logprobs=None if c.logprobs is None else {"content": c.logprobs},
+                    token_ids=c.token_ids)
                     for c, message in zip(p.choices, messages, strict=True)]
             ).model_dump(exclude=None if p.reasoning else _NO_REASONING)
-        return CompletionResponse(
-            id=p.id, created=p.created, model=p.model, usage=p.usage,
-            choices=[CompletionChoice(
-                index=c.index, text="".join(c.texts), finish_reason=c.finish_reason,
-                logprobs=None if c.logprobs is None else merge_completion(c.logprobs))
-                for c in p.choices]).model_dump()
+        else:
+            body = CompletionResponse(
+                id=p.id, created=p.created, model=p.model, usage=p.usage,
+                choices=[CompletionChoice(
+                    index=c.index, text="".join(c.texts), finish_reason=c.finish_reason,
+                    logprobs=self._completion_logprobs(p, c),
+                    prompt_token_ids=c.prompt_token_ids, token_ids=c.token_ids,
+                    prompt_logprobs=self._prompt_logprobs(p, c))
+                    for c in p.choices]).model_dump()
+        if not p.return_token_ids:  # the keys exist only when asked for, as in vLLM
+            body.pop("prompt_token_ids", None)
+            for choice in body["choices"]:
+                choice.pop("prompt_token_ids", None)
+                choice.pop("token_ids", None)
+        return body
+
+    def _prompt_logprobs(self, p: Prepared, c: Choice) -> list | None:
+        """vLLM's prompt_logprobs of a choice's prompt, when asked for."""
+        if not p.prompt_logprobs or c.prompt_logprobs is None:
+            return None
+        return self.logprobs.prompt(c.prompt_token_ids, c.prompt_logprobs, p.tokens_as_ids)
+
+    def _completion_logprobs(self, p: Prepared, c: Choice) -> dict | None:
+        if c.logprobs is None:
+            return None
+        parts = c.logprobs
+        if p.echo_logprobs and c.prompt_logprobs is not None:  # the echoed prompt first
+            parts = [self.logprobs.completion_prompt(c.prompt_token_ids, c.prompt_logprobs,
+                                                     p.tokens_as_ids), *parts]
+        return merge_completion(parts)
 
     def _gather(self, p: Prepared, c: Choice, text: str, finish: str | None,
                 lp: Any) -> None:
@@ -219,20 +247,24 @@ class ResponseWriter:
             if chunks:
                 out(b"".join(chunks))
         elif text or finish or lp:
-            out(self._chunk(p, c.index, text, finish, lp))
+            out(self._chunk(p, c, text, finish, lp))
 
     def _advance(self, p: Prepared, c: Choice, out) -> tuple[str, str | None, object]:
         """New text, finish reason and log-probabilities (chat entries, a completion
         logprobs object, or None) of choice `c` after engine output `out`."""
         ids = out.new_token_ids
+        if out.prompt_logprobs is not None:
+            c.prompt_logprobs = out.prompt_logprobs
         if ids:
             self._count_tokens(p, c, out)
+            if p.return_token_ids:
+                (c.step_ids if p.stream else c.token_ids).extend(ids)
         lp = None
         if out.logprobs and ids:
             if p.kind == "chat":
-                lp = self.logprobs.chat_content(ids, out.logprobs)
+                lp = self.logprobs.chat_content(ids, out.logprobs, p.tokens_as_ids)
             else:
-                lp = self.logprobs.completion(ids, out.logprobs, c.num_chars)
+                lp = self.logprobs.completion(ids, out.logprobs, c.num_chars, p.tokens_as_ids)
                 c.num_chars += sum(len(t) for t in lp["tokens"])
         text = c.detok.step(ids)
         finish = out.finish_reason
@@ -255,6 +287,7 @@ class ResponseWriter:
         metrics.generation_tokens.inc(n)
         if out.queued_s is not None:
             metrics.queue_time.observe(out.queued_s)
+            c.queued_s = out.queued_s
         if p.first_token_at is None:
             p.first_token_at = now
             metrics.ttft.observe(now - p.arrival)
@@ -268,10 +301,22 @@ class ResponseWriter:
 
     def _count_finished(self, p: Prepared, c: Choice, finish: str) -> None:
         now = time.monotonic()
-        self.metrics.count_finished(finish)
-        self.metrics.e2e.observe(now - p.arrival)
+        metrics = self.metrics
+        metrics.count_finished(finish)
+        metrics.e2e.observe(now - p.arrival)
         if c.first_token_at is not None and c.num_tokens > 1:
-            self.metrics.tpot.observe((c.last_token_at - c.first_token_at) / (c.num_tokens - 1))
+            metrics.tpot.observe((c.last_token_at - c.first_token_at) / (c.num_tokens - 1))
+        metrics.request_prompt_tokens.observe(c.num_prompt_tokens)
+        metrics.request_generation_tokens.observe(c.num_tokens)
+        metrics.request_max_tokens.observe(c.max_tokens)
+        metrics.request_n.observe(c.n)
+        if c.first_token_at is not None:
+            # vLLM's phases, from this process's clock: prefill from when an engine took it
+            # (arrival + its time in the engine's queue) to its first token, decode after
+            prefill = max(0.0, c.first_token_at - p.arrival - c.queued_s)
+            metrics.prefill_time.observe(prefill)
+            metrics.decode_time.observe(now - c.first_token_at)
+            metrics.inference_time.observe(prefill + now - c.first_token_at)
 
     def _parsed_chunks(self, p: Prepared, c: Choice, text: str, finish: str | None,
                        lp: object) -> list[bytes]:
@@ -282,14 +327,16 @@ class ResponseWriter:
         if finish is not None:
             deltas += c.output.finish()
             finish = _finish_reason(c)
+        if not p.include_reasoning:  # include_reasoning false: read out, left out
+            deltas = [d for d in deltas if "reasoning" not in d]
         if not deltas and (finish or lp):
             deltas = [{"content": ""}]
         last = len(deltas) - 1
-        return [self._chunk(p, c.index, d.get("content"), finish if i == last else None,
+        return [self._chunk(p, c, d.get("content"), finish if i == last else None,
                             lp if i == 0 else None, d.get("tool_calls"), d.get("reasoning"))
                 for i, d in enumerate(deltas)]
 
-    def _chunk(self, p: Prepared, index: int, text: str | None, finish: str | None,
+    def _chunk(self, p: Prepared, c: Choice, text: str | None, finish: str | None,
                lp: object = None, tool_calls: list[dict] | None = None,
                reasoning: str | None = None) -> bytes:
         """One SSE chunk; for chat, text=None is the opening chunk that carries the role.
@@ -306,14 +353,24 @@ class ResponseWriter:
             else:
                 delta = {"content": text}
             logprobs = None if lp is None else {"content": lp, "refusal": None}
-            choice = {"index": index, "delta": delta, "logprobs": logprobs,
+            choice = {"index": c.index, "delta": delta, "logprobs": logprobs,
                       "finish_reason": finish}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+            choice = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": finish}
             obj = "text_completion"
-        return _sse(json.dumps({"id": p.id, "object": obj, "created": p.created,
-                                "model": p.model, "choices": [choice]}, ensure_ascii=False))
+        chunk = {"id": p.id, "object": obj, "created": p.created, "model": p.model,
+                 "choices": [choice]}
+        if p.return_token_ids:  # vLLM's: the prompt's ids first, then each chunk's own
+            choice["token_ids"], c.step_ids = c.step_ids, []
+            if c.prompt_token_ids is not None:
+                where = chunk if p.kind == "chat" else choice
+                where["prompt_token_ids"], c.prompt_token_ids = c.prompt_token_ids, None
+        if p.continuous_usage:
+            chunk["usage"] = {"prompt_tokens": p.num_prompt_tokens,
+                              "completion_tokens": c.num_tokens,
+                              "total_tokens": p.num_prompt_tokens + c.num_tokens}
+        return _sse(json.dumps(chunk, ensure_ascii=False))
 
 
 def _finish_reason(c: Choice) -> str | None:
@@ -323,12 +380,18 @@ def _finish_reason(c: Choice) -> str | None:
     return c.finish_reason
 
 
-def _message(c: Choice) -> ChatCompletionMessage:
+def _message(c: Choice, include_reasoning: bool = True) -> ChatCompletionMessage:
     text = "".join(c.texts)
     if c.output is None:
-        return ChatCompletionMessage(content=text)
+        return ChatCompletionMessage(content=c.echo + text)
     reasoning, content, calls = assemble([*c.output.feed(text), *c.output.finish()])
-    return ChatCompletionMessage(content=content, tool_calls=calls or None, reasoning=reasoning,
+    if content is None and c.output.calls_only:
+        content = ""  # vLLM's message for tool_choice required or named
+    if c.echo:
+        content = c.echo + (content or "")
+    if not include_reasoning:
+        reasoning = None
+    return ChatCompletionMessage(content=content, tool_calls=calls, reasoning=reasoning,
                                  reasoning_content=reasoning)
 
 

@@ -16,6 +16,10 @@ give the same result as the whole text (tests hold this at every character bound
 - Text outside calls stays content (hermes drops what follows the first call), except
   whitespace-only runs next to a call: the newline between two calls is layout, not content.
 
+With tool_choice required or named a grammar writes calls from the first token; a completion
+cut inside a call (max_tokens) reports it as a call with the name and arguments written so
+far, as vLLM does, never as the raw text in content.
+
 The state is the text of the call in progress and a few characters that may begin a tag
 (R2: nothing grows with the completion beyond one call).
 """
@@ -23,6 +27,7 @@ The state is the text of the call in progress and a few characters that may begi
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Callable
 
@@ -44,6 +49,32 @@ def read_hermes_call(body: str) -> tuple[str, str] | None:
     return call["name"], json.dumps(arguments, ensure_ascii=False)
 
 
+_CUT_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"?(?:\s*,\s*"arguments"\s*:\s*(.*))?',
+                       re.S)
+
+
+def read_cut_hermes_call(body: str) -> tuple[str, str]:
+    """(name, arguments text so far) of a call cut before its end: the name as far as it was
+    written, the arguments' JSON text as it stands."""
+    found = _CUT_CALL.match(body)
+    if found is None:
+        return "", ""
+    name = found.group(1)
+    try:
+        name = json.loads(f'"{name}"')
+    except ValueError:  # cut inside an escape: the text as written
+        pass
+    return name, found.group(2) or ""
+
+
+def _without_partial_end(body: str) -> str:
+    """`body` less an end that may begin TOOL_CALL_END."""
+    for k in range(min(len(body), len(TOOL_CALL_END) - 1), 0, -1):
+        if TOOL_CALL_END.startswith(body[-k:]):
+            return body[:-k]
+    return body
+
+
 def _partial_tag(text: str) -> int:
     """Length of the longest end of `text` that may begin TOOL_CALL_START."""
     for k in range(min(len(text), len(TOOL_CALL_START) - 1), 0, -1):
@@ -58,14 +89,19 @@ class ToolCallParser:
     arguments ""; its second: index and the arguments). `parallel`: false keeps only the
     first call, as OpenAI's parallel_tool_calls: false asks. `read_call`: a call's body
     (between the tags) to (name, arguments JSON), None when it is not a call: hermes' JSON
-    by default, Qwen3-Coder's XML with xml_tool_call.XmlCallReader."""
+    by default, Qwen3-Coder's XML with xml_tool_call.XmlCallReader. `read_cut_call`: given
+    when a grammar writes calls from the first token (required, named): a body cut short to
+    (name, arguments so far), reported as a call at the end of the completion."""
 
-    __slots__ = ("_parallel", "_read_call", "_buf", "_in_call", "_held", "_said", "num_calls")
+    __slots__ = ("_parallel", "_read_call", "_read_cut_call", "_buf", "_in_call", "_held",
+                 "_said", "num_calls")
 
     def __init__(self, parallel: bool = True,
-                 read_call: Callable[[str], tuple[str, str] | None] = read_hermes_call) -> None:
+                 read_call: Callable[[str], tuple[str, str] | None] = read_hermes_call,
+                 read_cut_call: Callable[[str], tuple[str, str]] | None = None) -> None:
         self._parallel = parallel
         self._read_call = read_call
+        self._read_cut_call = read_cut_call
         self._buf = ""  # outside a call: may begin a tag; inside: the call's text so far
         self._in_call = False
         self._held = ""  # whitespace that opens a run of content, kept until it is decided
@@ -97,12 +133,23 @@ class ToolCallParser:
             self._buf = self._buf[start + len(TOOL_CALL_START):]
             self._in_call = True
 
+    @property
+    def calls_only(self) -> bool:
+        """A grammar writes calls from the first token (tool_choice required or named)."""
+        return self._read_cut_call is not None
+
     def finish(self) -> list[dict]:
         """What is still held, at the end of the completion."""
         out: list[dict] = []
         if self._in_call:
             self._in_call = False
-            self._close_call(self._buf, "", out)
+            body = self._buf if self._read_cut_call is None else _without_partial_end(self._buf)
+            if self._read_cut_call is not None and self._read_call(body) is None:
+                self._add_call(*self._read_cut_call(body), out)
+            else:
+                self._close_call(body, "", out)
+        elif self._read_cut_call is not None and self._buf.strip():
+            self._add_call(*self._read_cut_call(""), out)  # cut inside the opening tag
         else:
             self._content(self._buf, out)
         self._buf = ""
@@ -127,10 +174,12 @@ class ToolCallParser:
         if call is None:  # not a call: its text is content, tags included
             self._content(TOOL_CALL_START + body + end_tag, out)
             return
+        self._add_call(*call, out)
+
+    def _add_call(self, name: str, arguments: str, out: list[dict]) -> None:
         self._held, self._said = "", False
         if self.num_calls and not self._parallel:
             return
-        name, arguments = call
         index = self.num_calls
         self.num_calls += 1
         out.append({"tool_calls": [{"index": index, "id": f"chatcmpl-tool-{uuid.uuid4().hex}",

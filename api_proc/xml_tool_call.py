@@ -117,10 +117,24 @@ class XmlCallReader:
             return None
         return name, json.dumps(arguments, ensure_ascii=False)
 
+    def cut(self, body: str) -> tuple[str, str]:
+        """(name, arguments JSON) of a call cut before its end: the name once its tag is
+        closed, the parameters whose closing tag was written."""
+        text = body.strip()
+        close = text.find(">", len(FUNCTION_START))
+        if not text.startswith(FUNCTION_START) or close < 0:
+            return "", "{}"
+        name = text[len(FUNCTION_START):close].strip()
+        arguments: dict = {}
+        _parameters(text[close + 1:], self._types.get(name, {}), arguments)
+        return name, json.dumps(arguments, ensure_ascii=False)
 
-def _parameters(text: str, types: dict[str, str | tuple]) -> dict | None:
-    """The `<parameter=...>` elements of a function's body; None when there is other text."""
-    arguments: dict = {}
+
+def _parameters(text: str, types: dict[str, str | tuple],
+                arguments: dict | None = None) -> dict | None:
+    """The `<parameter=...>` elements of a function's body; None when there is other text
+    (`arguments` then holds those before it)."""
+    arguments = {} if arguments is None else arguments
     at = 0
     while True:
         at = len(text) - len(text[at:].lstrip())

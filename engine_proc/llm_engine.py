@@ -255,6 +255,8 @@ class LLMEngine:
                 output.queued_s = seq.scheduled_at - seq.arrived_at
             if logprobs is not None and logprobs[i] is not None:
                 output.logprobs = [logprobs[i]]
+            if seq.prompt_logprobs is not None:  # complete with the first token: sent once
+                output.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
             outputs.append(output)
             if seq.is_finished:
                 del self.seqs[seq.request_id]

@@ -1,5 +1,6 @@
 """What requests change in their logits before sampling: presence, frequency and repetition
-penalties, logit_bias, and min_tokens (the stop tokens banned until then).
+penalties, logit_bias, min_tokens (the stop tokens banned until then), and the token a
+thinking_token_budget forces (engine_proc/thinking_budget.py).
 
 Built once per step, only when some sampled request of the step asks for one of them, as a
 few flat tensors on the logits' device; `apply` then works on the whole batch at once (the
@@ -37,6 +38,9 @@ class LogitsAdjustments:
     # min_tokens: logits[ban_rows, ban_cols] = -inf
     ban_rows: torch.Tensor | None
     ban_cols: torch.Tensor | None
+    # thinking_token_budget: row force_rows[i] can only sample force_cols[i]
+    force_rows: torch.Tensor | None = None
+    force_cols: torch.Tensor | None = None
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """Adjust float32 logits [N, V] in place and return them."""
@@ -52,6 +56,10 @@ class LogitsAdjustments:
             logits.index_put_((self.bias_rows, self.bias_cols), self.bias_values, accumulate=True)
         if self.ban_rows is not None:
             logits[self.ban_rows, self.ban_cols] = -float("inf")
+        if self.force_rows is not None:
+            kept = logits[self.force_rows, self.force_cols]
+            logits[self.force_rows] = -float("inf")
+            logits[self.force_rows, self.force_cols] = kept
         return logits
 
 
@@ -66,7 +74,9 @@ def build_adjustments(seqs: Seq[Sequence], vocab: int, eos_token_ids: Seq[int],
     biased = [i for i, s in enumerate(seqs) if s.sampling.logit_bias]
     banned = [i for i, s in enumerate(seqs)
               if s.num_completion_tokens < s.sampling.min_tokens]
-    if not (penalised or biased or banned):
+    forced = [(i, t) for i, s in enumerate(seqs) if s.thinking is not None
+              and (t := s.thinking.forced_token()) is not None]
+    if not (penalised or biased or banned or forced):
         return None
     out = LogitsAdjustments(*([None] * 11))
     if penalised:
@@ -83,6 +93,10 @@ def build_adjustments(seqs: Seq[Sequence], vocab: int, eos_token_ids: Seq[int],
             rows, cols = zip(*pairs, strict=True)
             out.ban_rows = to_device(np.asarray(rows, dtype=np.int64))
             out.ban_cols = to_device(np.asarray(cols, dtype=np.int64))
+    if forced:
+        rows, cols = zip(*forced, strict=True)
+        out.force_rows = to_device(np.asarray(rows, dtype=np.int64))
+        out.force_cols = to_device(np.asarray(cols, dtype=np.int64))
     return out
 
 

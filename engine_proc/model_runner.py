@@ -26,6 +26,7 @@ from engine_proc.distributed import all_reduce_min, tp_shard
 from engine_proc.encoder_cache import EncoderCache
 from engine_proc.logits_adjustments import build_adjustments
 from engine_proc.models.registry import model_class
+from engine_proc.prompt_logprobs import PromptRows, score
 from engine_proc.sampler import GrammarMask, Sampler, SamplingBatch
 from engine_proc.scheduler import ScheduledBatch
 from engine_proc.sequence import ImageSpan, Sequence
@@ -326,12 +327,17 @@ class ModelRunner:
             if batch.state_restores:  # a hit admitted with its image still being encoded
                 self._forward(StepInputs.copies_only(_pairs(batch.state_restores)), [])
             return [], None
-        inputs, sample_seqs = self.prepare(batch)
+        inputs, sample_seqs, prompt = self.prepare(batch)
         pieces = self._image_rows(batch, inputs)  # vision work, on rank 0 only
         logits = self._forward(inputs, pieces)
         del pieces
         if logits is None:
             return [], None
+        if prompt is not None:  # the prompt rows' logits come after the sampled rows'
+            score(logits[len(sample_seqs):], prompt)
+            logits = logits[:len(sample_seqs)]
+            if not sample_seqs:
+                return [], None
         token_ids, logprobs = self.sampler(logits, self.prepare_sampling(sample_seqs))
         token_ids = token_ids.tolist()  # the one host sync of a step without log-probs
         if logprobs is None:
@@ -352,9 +358,10 @@ class ModelRunner:
                                         self.state_cache)
         return forward_step(self.model, inputs, pieces, self._to_device, self.state_cache)
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, list[Sequence]]:
-        """The step's inputs on the host (image rows not filled in yet) and the sequences
-        sampled in it."""
+    def prepare(self, batch: ScheduledBatch
+                ) -> tuple[StepInputs, list[Sequence], PromptRows | None]:
+        """The step's inputs on the host (image rows not filled in yet), the sequences
+        sampled in it, and the prompt rows whose log-probabilities it computes."""
         decode = self.prepare_decode(batch.seqs[: batch.num_decode_seqs])
         prefill = self.prepare_prefill(
             batch.seqs[batch.num_decode_seqs :], batch.num_new_tokens[batch.num_decode_seqs :]
@@ -374,6 +381,15 @@ class ModelRunner:
             block_tables[i, : len(row)] = row
         sample_rows = query_start_loc[1:][samples] - 1
         sample_seqs = [seq for seq, s in zip(batch.seqs, samples, strict=True) if s]
+        prompt = None
+        if any(s.prompt_logprobs is not None for s in batch.seqs[batch.num_decode_seqs:]):
+            first = batch.num_decode_seqs
+            prompt = PromptRows.of_chunks([
+                (seq, int(query_start_loc[i]), seq.num_computed_tokens,
+                 seq.num_computed_tokens + batch.num_new_tokens[i])
+                for i, seq in enumerate(batch.seqs) if i >= first])
+            if prompt is not None:
+                sample_rows = np.concatenate([sample_rows, prompt.rows])
         inputs = StepInputs(
             input_ids=np.concatenate(input_ids),
             positions=np.concatenate(positions, axis=1),
@@ -391,7 +407,7 @@ class ModelRunner:
             state_saves=_pairs([(seq.state_slot, snapshot)
                                 for seq, snapshot, _ in batch.state_saves]),
         )
-        return inputs, sample_seqs
+        return inputs, sample_seqs, prompt
 
     def prepare_decode(self, seqs: list[Sequence]):
         """One token per sequence: its last one, at index num_tokens - 1."""

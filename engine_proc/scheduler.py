@@ -55,6 +55,9 @@ class QueueFull(RequestRejected):
     """The waiting queue is full: the request may succeed later or on another engine."""
 
 
+MAX_PROMPT_LOGPROB_ROWS = 512  # prompt rows whose logits one step computes (prompt_logprobs)
+
+
 @dataclass
 class ScheduledBatch:
     """The sequences of one step and how many new tokens each computes. Sequence `i`
@@ -267,6 +270,9 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        # prompt_logprobs: logits of every prompt row, not only the last; the step holds
+        # them all at once, so their number is capped (vLLM's prefills do the same)
+        rows_left = MAX_PROMPT_LOGPROB_ROWS
         staged = self.staged
         if staged is not None and (staged.embeds is not None or staged.released):
             staged = None  # encoded, or its request is gone
@@ -306,9 +312,12 @@ class Scheduler:
             num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             if seq.has_images:
                 num_new = encoder.fit(seq, seq.num_computed_tokens, num_new)
+            if seq.wants_prompt_logprobs:
+                num_new = min(num_new, rows_left)
             if num_new:
                 num_new = self._add_chunk(batch, seq, seq.num_computed_tokens, num_new)
                 budget -= num_new
+                rows_left -= num_new if seq.wants_prompt_logprobs else 0
         # 3. admit waiting sequences (not in a step that had to preempt: they would thrash)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             if preempted and self.running:
@@ -317,7 +326,8 @@ class Scheduler:
             seq = next((s for s in self.waiting if s.grammar_future is None), None)
             if seq is None:
                 break
-            cached = self.block_manager.find_cached_blocks(seq)
+            # prompt_logprobs need every prompt row computed: no cached prefix
+            cached = [] if seq.wants_prompt_logprobs else self.block_manager.find_cached_blocks(seq)
             snapshot = None
             if self.snapshots is not None:
                 cached, snapshot = self._cut_to_snapshot(seq, cached)
@@ -332,6 +342,11 @@ class Scheduler:
                 # runs in this step (an image that starts inside the cached prefix)
                 if not num_new and not any(image is encoder.stage for image in seq.images):
                     break  # its first image waits for the next step's encoder budget (FIFO)
+            if seq.wants_prompt_logprobs:
+                if not rows_left:
+                    break  # this step's prompt rows are taken (FIFO)
+                num_new = min(num_new, rows_left)
+                rows_left -= num_new
             self.waiting.remove(seq)
             self.block_manager.allocate(seq, num_tokens, cached)
             self._admit(seq, num_cached_tokens)
@@ -466,6 +481,8 @@ class Scheduler:
                 continue  # a prefill chunk that did not reach the end: nothing sampled
             token_id = next(it)
             seq.append_token(token_id)
+            if seq.thinking is not None:
+                seq.thinking.accept(token_id)
             if seq.grammar is not None:
                 seq.grammar.accept_token(token_id)
             out.append(seq)

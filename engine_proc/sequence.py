@@ -9,6 +9,7 @@ from itertools import count
 import numpy as np
 import torch
 
+from engine_proc.thinking_budget import ThinkingBudget
 from shared.sampling_params import SamplingParams
 
 
@@ -83,9 +84,13 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.sampling = sampling
+        # thinking_token_budget: what it has thought (engine_proc/thinking_budget.py)
+        self.thinking = (None if sampling.thinking_token_budget is None
+                         else ThinkingBudget(sampling))
         # whether sampling changes its logits (engine_proc/logits_adjustments.py)
         self.adjusts_logits = bool(
             sampling.has_penalties or sampling.logit_bias or sampling.min_tokens
+            or self.thinking is not None
         )
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V is in the cache
@@ -113,6 +118,9 @@ class Sequence:
         # structured outputs: the compile of its grammar until done, then its matcher
         self.grammar_future = None
         self.grammar = None
+        # prompt_logprobs: one entry per prompt token after the first, computed chunk by
+        # chunk during prefill; handed to the first output, then None
+        self.prompt_logprobs: list | None = [] if sampling.prompt_logprobs is not None else None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -128,6 +136,12 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt log-probabilities are still to be computed (its prefill needs them)."""
+        return (self.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
 
     @property
     def is_finished(self) -> bool:

@@ -159,8 +159,10 @@ def forward_step(model: torch.nn.Module, inputs: StepInputs, pieces: ImagePieces
     del inputs_embeds, deepstack
     if not len(inputs.sample_rows):
         return None
-    if len(inputs.sample_rows) < hidden.shape[0]:
-        hidden = hidden[to_device(inputs.sample_rows)]  # the last token of each finished chunk
+    rows = inputs.sample_rows
+    if len(rows) < hidden.shape[0] or not np.array_equal(rows, np.arange(len(rows))):
+        # the last token of each finished chunk (then prompt rows, prompt_logprobs.py)
+        hidden = hidden[to_device(rows)]
     return model.compute_logits(hidden)
 
 

@@ -301,6 +301,9 @@ def run_server(args: argparse.Namespace) -> int:
             config = ApiConfig.from_cli_args(
                 args, model=model, served_model_name=served_names, max_model_len=max_model_len,
                 engine_addresses=addresses,
+                # vLLM's: the key from the environment when --api-key is not given
+                api_key=args.api_key if args.api_key is not None
+                else os.environ.get("VLLM_API_KEY") or None,
             )
         except ValueError as exc:
             logger.error("flatserve serve: %s", exc)
@@ -318,11 +321,13 @@ def run_server(args: argparse.Namespace) -> int:
                 on_restart=app.state.metrics.engine_restarts.inc,
                 is_stopping=lambda: server.should_exit,
                 give_up=lambda reason: setattr(server, "should_exit", True))
-        logger.info("serving %s on %s://%s:%d (glibc: %s)", ", ".join(served_names),
-                    config.scheme, config.host, config.port,
+        where = (f"unix socket {config.uds}" if config.uds
+                 else f"{config.scheme}://{config.host}:{config.port}")
+        logger.info("serving %s on %s (glibc: %s)", ", ".join(served_names), where,
                     ", ".join(f"{k}={v}" for k, v in API_MALLOC_ENV.items()))
         server_config = uvicorn.Config(
-            app, host=config.host, port=config.port, loop="uvloop", http=http_protocol(config),
+            app, host=config.host, port=config.port, uds=config.uds, loop="uvloop",
+            http=http_protocol(config),
             ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,
             ssl_ca_certs=config.ssl_ca_certs, ssl_cert_reqs=config.ssl_cert_reqs,
             log_level=args.uvicorn_log_level or args.log_level,

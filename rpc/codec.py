@@ -140,7 +140,8 @@ class _Encoder:
             stats, keys = obj.stats, obj.encoder_keys
             return [_STEP_MARKER, [(o.request_id, o.new_token_ids, o.finish_reason,
                                     o.num_prompt_tokens, o.num_completion_tokens, o.error,
-                                    o.error_code, o.logprobs, o.queued_s) for o in obj.outputs],
+                                    o.error_code, o.logprobs, o.queued_s, o.prompt_logprobs)
+                                   for o in obj.outputs],
                     None if stats is None else [getattr(stats, n) for n in _STATS_FIELDS],
                     None if keys is None else [keys.reset, keys.added, keys.removed]]
         index = _INDEX.get(type(obj))

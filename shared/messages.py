@@ -83,6 +83,8 @@ class Ping:
 
 # One generated token's log-probabilities: [of the token, [top ids], [their log-probs]]
 TokenLogprobs = list
+# One prompt token's (the second on): [its log-prob, its rank, [top ids], [their log-probs]]
+PromptTokenLogprobs = list
 
 
 @dataclass
@@ -98,6 +100,8 @@ class RequestOutput:
     error_code: int = ErrorCode.NONE
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
     queued_s: float | None = None  # with its first token: seconds it waited to be scheduled
+    # with its first token, when the request asked: one per prompt token after the first
+    prompt_logprobs: list[PromptTokenLogprobs] | None = None
 
 
 @dataclass

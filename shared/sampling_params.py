@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 MAX_LOGIT_BIAS_ENTRIES = 1024
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 MAX_JSON_WHITESPACE = 4  # runs of whitespace JSON may hold: a model cannot pad forever
-MAX_LOGPROBS = 1024  # most top alternatives per token a request can carry at all; the
-# server's --max-logprobs (default 20, as vLLM's) is the limit clients see
+MAX_LOGPROBS = 1 << 20  # most top alternatives per token a request can carry at all (a
+# vocabulary's size); the server's --max-logprobs (default 20, as vLLM's) is the limit
+# clients see, and the API never asks for more than the model's vocabulary
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,17 @@ class SamplingParams:
     # None: no log-probabilities; k: the sampled token's and the k most likely ones', from
     # the distribution sampled (engine_proc/sampler.py)
     logprobs: int | None = None
+    # None: none; k: for every prompt token after the first, its log-probability, its rank
+    # and the k most likely tokens there, from the model's raw distribution (vLLM's
+    # prompt_logprobs; engine_proc/prompt_logprobs.py)
+    prompt_logprobs: int | None = None
+    # vLLM's thinking_token_budget: after this many tokens of thinking, the end marker's
+    # tokens are forced (engine_proc/thinking_budget.py); the markers as token ids, and
+    # whether the prompt leaves thinking open
+    thinking_token_budget: int | None = None
+    think_start_ids: tuple[int, ...] = field(default_factory=tuple)
+    think_end_ids: tuple[int, ...] = field(default_factory=tuple)
+    thinking_open: bool = False
     # (kind, spec): what the completion must match (engine_proc/structured_output.py):
     # ("json", schema text), ("json_object", ""), ("regex", pattern), ("choice", JSON list
     # of strings), ("grammar", EBNF) or ("structural_tag", xgrammar's structural tag JSON:
@@ -64,8 +76,17 @@ class SamplingParams:
             raise ValueError("logit_bias values must be in [-100, 100]")
         if any(t < 0 for t, _ in bias):
             raise ValueError("logit_bias token ids must not be negative")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}")
+        if self.thinking_token_budget is not None:
+            if self.thinking_token_budget < 0:
+                raise ValueError("thinking_token_budget must not be negative")
+            if not self.think_start_ids or not self.think_end_ids:
+                raise ValueError("thinking_token_budget needs the thinking markers' token ids")
+        for name in ("think_start_ids", "think_end_ids"):  # lists off the wire
+            object.__setattr__(self, name, tuple(int(t) for t in getattr(self, name)))
         if self.structured is not None:
             kind, spec = self.structured
             if kind not in STRUCTURED_KINDS or not isinstance(spec, str):

@@ -200,7 +200,7 @@ def test_completions(server, engine_double, tiny_model_path):
     # tool_choice auto (the default with tools) needs --enable-auto-tool-choice, as in vLLM
     ({"messages": [{"role": "user", "content": "x"}], "tools": [
         {"type": "function", "function": {"name": "f"}}]}, 400, "--enable-auto-tool-choice"),
-    ({"messages": [{"role": "robot", "content": "x"}]}, 400, "role"),
+    ({"messages": [{"role": "", "content": "x"}]}, 400, "role"),
     ({"messages": [{"role": "user", "content": [{"type": "audio", "x": 1}]}]}, 400, "content"),
     ({"messages": [{"role": "user", "content": "x"}], "model": "gpt-9"}, 404, "gpt-9"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 40000}, 400, "max_model_len"),

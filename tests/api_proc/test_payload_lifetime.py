@@ -225,7 +225,7 @@ class RecordingLoader(MediaLoader):
 def recorded(monkeypatch):
     """Weakrefs to each request body model and base64 string the pipeline sees."""
     refs: list = []
-    real_parse = serving_module._parse
+    real_parse = serving_module.parse_body
 
     def parse(model, body):
         req = real_parse(model, body)
@@ -240,7 +240,7 @@ def recorded(monkeypatch):
             refs.append(("base64 url", weakref.ref(url)))
             super().__init__(url)
 
-    monkeypatch.setattr(serving_module, "_parse", parse)
+    monkeypatch.setattr(serving_module, "parse_body", parse)
     monkeypatch.setattr(serving_module, "MediaRef", WeakRef)
     return refs
 

@@ -40,7 +40,7 @@ def test_chat_request_accepts_openai_shapes():
             {"role": "user", "content": [
                 {"type": "text", "text": "hi"},
                 {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA", "detail": "low"}},
-                {"type": "image_url", "image_url": "http://x/y.png"}]},
+                {"type": "image_url", "image_url": {"url": "http://x/y.png"}, "uuid": "u1"}]},
             {"role": "assistant", "content": None}],
         "max_completion_tokens": 7, "stop": "END", "stream": True,
         "stream_options": {"include_usage": True}, "frequency_penalty": 0.0, "user": "u"})
@@ -56,6 +56,8 @@ def test_chat_request_accepts_openai_shapes():
     {"messages": [{"role": "user", "content": "x"}], "top_p": 0},
     {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": ""}}]}]},
+    {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "http://x"}]}]},
+    {"messages": [{"role": "user", "content": [{"type": "image_url", "uuid": "u1"}]}]},
 ])
 def test_chat_request_refusals(body):
     with pytest.raises(ValidationError):
@@ -69,8 +71,9 @@ def test_completion_prompt_forms():
         with pytest.raises(ValidationError):
             CompletionRequest(prompt=prompt)
     assert CompletionRequest(prompt="x", echo=True).echo
-    with pytest.raises(ValidationError, match="echo with logprobs"):
-        CompletionRequest(prompt="x", echo=True, logprobs=1)
+    assert CompletionRequest(prompt="x", echo=True, logprobs=1).echo_logprobs
+    with pytest.raises(ValidationError, match="echo with logprobs is not supported with stream"):
+        CompletionRequest(prompt="x", echo=True, logprobs=1, stream=True)
 
 
 def test_validation_messages_leave_the_input_out():
@@ -83,7 +86,7 @@ def test_validation_messages_leave_the_input_out():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("seed", 2**64), ("seed", -1), ("top_k", 2**40), ("stop_token_ids", [2**40]),
+    ("seed", 2**63), ("seed", -2**63 - 1), ("top_k", 2**40), ("stop_token_ids", [2**40]),
     ("stop_token_ids", [-1]), ("presence_penalty", 2.5), ("frequency_penalty", -3),
     ("repetition_penalty", 0), ("repetition_penalty", 2.5), ("min_tokens", -1),
     ("logit_bias", {"x": 1}), ("logit_bias", {"-1": 1}), ("logit_bias", {"5": 101}),
@@ -129,7 +132,7 @@ def test_neutral_values_and_harmless_fields_are_accepted():
         "frequency_penalty": 0.0, "repetition_penalty": 1.0, "response_format": {"type": "text"},
         "logprobs": False, "tools": [], "tool_choice": "none", "logit_bias": {}, "min_tokens": 0,
         "user": "u", "metadata": {"k": "v"}})
-    for nested in ({"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+    for nested in ({"stream_options": {"include_usage": True, "usage_every": 2}},
                    {"messages": [{"role": "user", "content": "x", "tool_call_id": "t"}]}):
         with pytest.raises(ValidationError):
             ChatCompletionRequest.model_validate(

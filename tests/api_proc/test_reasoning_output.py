@@ -94,7 +94,7 @@ def test_without_a_parser_nothing_changes(start_app, engine_double, template):
     body = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
         "messages": [{"role": "user", "content": THOUGHT}]}).json()
     assert body["choices"][0]["message"] == {"role": "assistant", "content": THOUGHT,
-                                             "tool_calls": None}
+                                             "tool_calls": []}
     with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=30, json={
             "messages": [{"role": "user", "content": THOUGHT}], "stream": True}) as r:
         lines = [line for line in r.iter_lines() if line.startswith("data: {")]

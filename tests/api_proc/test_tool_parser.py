@@ -7,7 +7,12 @@ import json
 import pytest
 
 from api_proc.protocol import ChatCompletionChunk
-from api_proc.tool_parser import ToolCallParser, assemble
+from api_proc.tool_parser import (
+    ToolCallParser,
+    assemble,
+    read_cut_hermes_call,
+    read_hermes_call,
+)
 
 
 def call(name: str, arguments: dict) -> str:
@@ -130,3 +135,26 @@ def test_deltas_are_openai_chunk_deltas():
     for delta in deltas:
         ChatCompletionChunk.model_validate({"id": "x", "created": 0, "model": "m", "choices": [
             {"index": 0, "delta": delta, "finish_reason": None}]})
+
+
+def cut_calls(text: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """The text read as tool_choice required or named reads it (a grammar writes calls from
+    the first token): a call cut short is still a call, with its arguments so far."""
+    parser = ToolCallParser(True, read_hermes_call, read_cut_hermes_call)
+    content, calls = assemble([*parser.feed(text), *parser.finish()])
+    return content, [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+
+
+@pytest.mark.parametrize("text, want", [
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa',
+     [("get_weather", '{"city": "Pa')]),
+    ('<tool_call>\n{"name": "get_wea', [("get_wea", "")]),
+    ("<tool_call>\n", [("", "")]),
+    ("<tool_", [("", "")]),
+    ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_', [("f", '{"a": 1}')]),
+    (WEATHER + '\n<tool_call>\n{"name": "g", "arguments": {',
+     [("get_weather", '{"city": "Paris", "unit": "celsius"}'), ("g", "{")]),
+])
+def test_a_call_cut_short_under_a_grammar_stays_a_call(text, want):
+    assert cut_calls(text) == (None, want)
+    assert calls_of(text)[1] == [] or text.startswith(WEATHER)  # free text: it stays text

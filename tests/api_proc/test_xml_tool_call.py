@@ -129,3 +129,17 @@ def test_deltas_are_openai_chunk_deltas():
     for delta in deltas:
         ChatCompletionChunk.model_validate({"id": "x", "created": 0, "model": "m", "choices": [
             {"index": 0, "delta": delta, "finish_reason": None}]})
+
+
+@pytest.mark.parametrize("text, want", [
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+     "<parameter=days>\n3", ("get_weather", {"city": "Paris"})),
+    ("<tool_call>\n<function=get_wea", ("", {})),
+    ("<tool_call>\n<function=ping>\n</function>\n</tool", ("ping", {})),
+])
+def test_a_call_cut_short_under_a_grammar_stays_a_call(text, want):
+    parser = ToolCallParser(True, READER, READER.cut)
+    content, calls = assemble([*parser.feed(text), *parser.finish()])
+    assert content is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] \
+        == [want]

@@ -31,7 +31,7 @@ def test_echo_puts_the_prompt_before_the_completion(oai):
             texts[choice.index] = texts.get(choice.index, "") + choice.text
     assert texts == {c.index: c.text for c in echoed.choices}
     with pytest.raises(openai.BadRequestError, match="echo with logprobs"):
-        oai.completions.create(**args, echo=True, logprobs=1)
+        oai.completions.create(**args, echo=True, logprobs=1, stream=True)
 
 
 def test_special_tokens_are_written_only_when_asked(oai, tiny_model_path):

@@ -184,12 +184,13 @@ def test_a_representative_vllm_command_line_parses_and_validates(tiny_model_path
     (["--hf-token"], "--hf-token cannot apply here: flatserve serves local checkpoint"),
     (["--tokenizer", "/x"], "the tokenizer is the model folder's own"),
     (["--max-num-partial-prefills", "2"], "bounded by the step's token budget"),
-    (["--return-tokens-as-token-ids"], "log-probability tokens are always text"),
     (["--enable-lora"], "no LoRA adapters"),
     (["--speculative-config", "{}"], "no speculative decoding"),
     (["--response-role", "bot"], "responses carry the role assistant"),
     (["--max-model-len", "1.5K"], "binary suffixes take whole numbers"),
     (["--allowed-origins", "[1]"], "not a JSON list of strings"),
+    (["--reasoning-config", '{"think_start": "<t>"}'], "unknown reasoning setting"),
+    (["--reasoning-config", '{"reasoning_end_str": ""}'], "must be a non-empty string"),
 ])
 def test_flags_that_cannot_apply_are_refused_by_name(capsys, argv, says):
     line = parse_error(capsys, *argv)

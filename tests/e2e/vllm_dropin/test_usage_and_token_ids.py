@@ -1,0 +1,108 @@
+"""Usage and token ids as vLLM reports them, through the official openai client (issue 31,
+theme 5): stream_options.continuous_usage_stats, return_token_ids (streamed and not, chat
+and completions), and a server with --enable-force-include-usage --skip-tokenizer-init
+(token in, token out)."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from api_proc.prompt_builder import PromptBuilder
+from tests.e2e.server_process import ServerProcess
+from tests.e2e.vllm_dropin.conftest import MODEL
+
+CHAT = [{"role": "user", "content": "Hello there"}]
+
+
+@pytest.fixture(scope="module")
+def builder(tiny_model_path):
+    return PromptBuilder.from_pretrained(tiny_model_path)
+
+
+def test_continuous_usage_stats_put_usage_in_every_chunk(oai):
+    chunks = list(oai.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=5, stream=True, extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert all(c.usage is not None for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts == [0, 1, 2, 3, 4, 5]  # the role chunk, then one per token
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+               for c in chunks)
+    assert chunks[-1].usage.completion_tokens == 5 and not chunks[-1].choices
+    plain = list(oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2,
+                                             stream=True,
+                                             stream_options={"include_usage": True}))
+    assert [c.usage is not None for c in plain] == [False] * (len(plain) - 1) + [True]
+
+
+def test_return_token_ids_in_chat(oai, builder):
+    reply = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4,
+                                        temperature=0, extra_body={"return_token_ids": True})
+    prompt = reply.model_extra["prompt_token_ids"]
+    assert "Hello there" in builder.decoder_with_specials.decode(prompt)
+    assert len(prompt) == reply.usage.prompt_tokens
+    ids = reply.choices[0].model_extra["token_ids"]
+    assert len(ids) == reply.usage.completion_tokens
+    assert builder.decoder.decode(ids) == reply.choices[0].message.content
+    streamed, firsts = [], []
+    for chunk in oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4,
+                                             temperature=0, stream=True,
+                                             extra_body={"return_token_ids": True}):
+        firsts.append("prompt_token_ids" in chunk.model_extra)
+        streamed += chunk.choices[0].model_extra["token_ids"]
+    assert firsts[0] and not any(firsts[1:]) and streamed == ids
+    without = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
+    assert "prompt_token_ids" not in without.model_extra
+    assert "token_ids" not in without.choices[0].model_extra
+
+
+def test_return_token_ids_in_completions(oai, builder):
+    args = dict(model=MODEL, prompt=["One", "Two words"], max_tokens=3, temperature=0,
+                extra_body={"return_token_ids": True})
+    reply = oai.completions.create(**args)
+    for choice, text in zip(reply.choices, ["One", "Two words"], strict=True):
+        assert choice.model_extra["prompt_token_ids"] == builder.encode(text)
+        assert builder.decoder.decode(choice.model_extra["token_ids"]) == choice.text
+    by_index = {}
+    for chunk in oai.completions.create(stream=True, **args):
+        choice = chunk.choices[0]
+        entry = by_index.setdefault(choice.index, [choice.model_extra.get("prompt_token_ids"),
+                                                   []])
+        entry[1] += choice.model_extra["token_ids"]
+    assert {i: tuple(map(tuple, v)) for i, v in by_index.items()} == {
+        c.index: (tuple(c.model_extra["prompt_token_ids"]), tuple(c.model_extra["token_ids"]))
+        for c in reply.choices}
+
+
+@pytest.fixture(scope="module")
+def token_out(tmp_path_factory, tiny_model_path):
+    proc = ServerProcess("--enable-force-include-usage", "--skip-tokenizer-init",
+                         log_path=tmp_path_factory.mktemp("token-out") / "server.log")
+    try:
+        proc.wait_ready()
+        yield openai.OpenAI(base_url=proc.url + "/v1", api_key="unused", max_retries=0)
+    finally:
+        proc.stop()
+
+
+def test_token_in_token_out_with_usage_forced(token_out, oai, builder):
+    prompt = builder.encode("Hello, world! How are you today?")
+    args = dict(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+    reply = token_out.completions.create(**args, echo=True,
+                                         extra_body={"return_token_ids": True})
+    choice = reply.choices[0]
+    assert choice.text == "" and choice.model_extra["prompt_token_ids"] == prompt
+    expected = oai.completions.create(**args, extra_body={"return_token_ids": True})
+    assert choice.model_extra["token_ids"] == expected.choices[0].model_extra["token_ids"]
+    lp = token_out.completions.create(**args, logprobs=1).choices[0].logprobs
+    assert lp.tokens == [f"token_id:{t}" for t in choice.model_extra["token_ids"]]
+    # --enable-force-include-usage: usage in every chunk without stream_options
+    chunks = list(token_out.completions.create(**args, stream=True))
+    assert all(c.usage is not None for c in chunks) and chunks[-1].usage.completion_tokens == 6
+    for refused, field in [(dict(prompt="text"), "prompt"), (dict(stop=["x"]), "stop")]:
+        with pytest.raises(openai.BadRequestError, match="--skip-tokenizer-init") as e:
+            token_out.completions.create(**{**args, **refused})
+        assert e.value.body["param"] == field
+    with pytest.raises(openai.BadRequestError, match="--skip-tokenizer-init"):
+        token_out.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
