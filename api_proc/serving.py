@@ -29,7 +29,7 @@ import pydantic
 
 from api_proc.admission import AdmissionController, Reservation
 from api_proc.chat_output import ChatOutputParser
-from api_proc.config import ApiConfig
+from api_proc.config import ApiConfig, check_media_io_kwargs
 from api_proc.detokenizer import IncrementalDetokenizer
 from api_proc.engine_client import EngineClient, RequestStream
 from api_proc.errors import (
@@ -46,14 +46,18 @@ from api_proc.protocol import (
     CompletionRequest,
     ImageURLPart,
     UsageInfo,
+    VideoURLPart,
 )
 from api_proc.reasoning_parser import ReasoningParser, start_mode
 from api_proc.request_body import RequestBody
 from api_proc.tool_grammar import tool_call_constraint
 from api_proc.tool_parser import ToolCallParser, read_hermes_call
+from api_proc.video_loader import EncodedVideo, VideoLoader, VideoSampling
 from api_proc.xml_tool_call import XmlCallReader, parameter_types
 from shared.messages import AddRequest, ImageInput
+from shared.model_config import load_model_config
 from shared.sampling_params import SamplingParams
+from shared.video_layout import VideoSettings
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -129,6 +133,8 @@ class Serving:
         self.engines = engines
         self.metrics = metrics
         self.defaults = config.default_sampling()  # --generation-config
+        settings = VideoSettings.of(load_model_config(config.model), loader.image_config)
+        self.videos = VideoLoader(loader, settings)
 
     # ------------------------------------------------------------------ preparing
 
@@ -214,12 +220,12 @@ class Serving:
         req = _parse(ChatCompletionRequest, body.take())
         self._check_model(req.model)
         self._check_n(req.n)
-        refs = [MediaRef(part.image_url.url) for m in req.messages if isinstance(m.content, list)
-                for part in m.content if isinstance(part, ImageURLPart)]
-        if len(refs) > self.config.limit_mm_per_prompt:
-            raise BadRequest(f"the request has {len(refs)} images; at most "
-                                  f"limit_mm_per_prompt={self.config.limit_mm_per_prompt}",
-                                  param="messages", code="too_many_images")
+        refs = [MediaRef(part.image_url.url) if isinstance(part, ImageURLPart)
+                else MediaRef(part.video_url.url, "video")
+                for m in req.messages if isinstance(m.content, list)
+                for part in m.content if isinstance(part, ImageURLPart | VideoURLPart)]
+        self._check_media_counts(refs)
+        sampling_video = self._video_sampling(req.media_io_kwargs)
         messages = template_messages(req.messages)
         num_chars = text_chars(messages)
         self.builder.check_prompt_chars(num_chars, "messages")
@@ -231,10 +237,13 @@ class Serving:
         if not refs:
             body.release()  # parsed: no image will need the body's bytes
 
-        encoded = await _settle([self.loader.fetch(ref) for ref in refs])
+        encoded = await _settle([self.loader.fetch(ref) if ref.kind == "image"
+                                 else self.videos.fetch(ref, sampling_video) for ref in refs])
         refs = None
-        grids = [e.grid_thw for e in encoded]
-        build = functools.partial(self._chat_prompt, messages, grids, tools, template_kwargs)
+        grids = [e.grid_thw for e in encoded if isinstance(e, EncodedImage)]
+        videos = [e.layout for e in encoded if isinstance(e, EncodedVideo)]
+        build = functools.partial(self._chat_prompt, messages, grids, tools, template_kwargs,
+                                  videos)
         if num_chars > LONG_TEXT_CHARS:
             prompt_ids, prompt_end = await asyncio.to_thread(build)
         else:
@@ -252,10 +261,44 @@ class Serving:
                               make_output)
 
     def _chat_prompt(self, messages: list[dict], grids: list[tuple[int, int, int]],
-                     tools: list[dict] | None, template_kwargs: dict) -> tuple[list[int], str]:
+                     tools: list[dict] | None, template_kwargs: dict,
+                     videos: list = ()) -> tuple[list[int], str]:
         """The prompt's token ids, and the end of its text (where thinking may be open)."""
         text = self.builder.render_chat(messages, tools=tools, template_kwargs=template_kwargs)
-        return self.builder.prompt_ids(text, grids), text[-64:]
+        return self.builder.prompt_ids(text, grids, videos), text[-64:]
+
+    def _check_media_counts(self, refs: list[MediaRef]) -> None:
+        """--limit-mm-per-prompt, per modality (the image limit is named as the flag's
+        plain count, the video limit by its JSON key)."""
+        for kind, limit, name in (
+                ("image", self.config.max_images_per_prompt, "limit_mm_per_prompt"),
+                ("video", self.config.max_videos_per_prompt, "limit_mm_per_prompt video")):
+            count = sum(ref.kind == kind for ref in refs)
+            if count > limit:
+                raise BadRequest(f"the request has {count} {kind}s; at most {name}={limit}",
+                                 param="messages", code=f"too_many_{kind}s")
+
+    def _video_sampling(self, request_kwargs: dict | None) -> VideoSampling:
+        """The server's --media-io-kwargs with the request's over them (vLLM's merge: a
+        request that names num_frames or fps replaces both), within max_video_frames."""
+        num_frames, fps = self.config.video_num_frames, self.config.video_fps
+        if request_kwargs is not None:
+            try:
+                video = check_media_io_kwargs(request_kwargs).get("video")
+            except ValueError as e:
+                message = str(e)
+            else:
+                message = None
+            if message is not None:
+                raise BadRequest(message, param="media_io_kwargs")
+            if video:
+                num_frames = video.get("num_frames", self.config.video_num_frames)
+                fps = video.get("fps")
+        if num_frames > self.config.max_video_frames:
+            raise BadRequest(f"media_io_kwargs asks for {num_frames} frames a video; at most "
+                             f"max_video_frames={self.config.max_video_frames}",
+                             param="media_io_kwargs", code="video_too_large")
+        return VideoSampling(num_frames, fps)
 
     async def prepare_completion(self, body: RequestBody, arrival: float) -> Prepared:
         req = _parse(CompletionRequest, body.take())
@@ -360,8 +403,9 @@ class Serving:
                         for j, image in zip(todo, decoded, strict=True):
                             images[j] = image
                         decoded = None
-                    inputs = [ImageInput(None, e.grid_thw, e.key) if s else images[j]
-                              for j, (e, s) in enumerate(zip(encoded, skip, strict=True))]
+                    inputs = _flatten([ImageInput(None, e.grid_thw, e.key) if s else images[j]
+                                       for j, (e, s) in enumerate(zip(encoded, skip,
+                                                                      strict=True))])
                     self._count_skipped(encoded, skip)
                     share = None
                     if reservation is not None:
@@ -400,7 +444,7 @@ class Serving:
         self.metrics.image_resubmits.inc()
         reservation = await self.admission.acquire(sum(e.need_bytes for e in encoded))
         try:
-            images = await self._decode(encoded, reservation)
+            images = _flatten(await self._decode(encoded, reservation))
             encoded = None
             share = reservation.split(sum(im.nbytes for im in images))
             return self.engines.submit(AddRequest(
@@ -409,11 +453,15 @@ class Serving:
         finally:
             reservation.release()
 
-    async def _decode(self, encoded: list[EncodedImage], reservation: Reservation,
-                      bytes_kept: bool = False) -> list[ImageInput]:
-        """`bytes_kept`: KeptImages holds the encoded bytes (and their budget) on."""
-        async def one(image: EncodedImage) -> ImageInput:
-            result = await self.loader.decode(image)
+    async def _decode(self, encoded: list[EncodedImage | EncodedVideo], reservation: Reservation,
+                      bytes_kept: bool = False) -> list[ImageInput | list[ImageInput]]:
+        """An ImageInput per image, a list of them (one per temporal group) per video.
+        `bytes_kept`: KeptImages holds the encoded bytes (and their budget) on."""
+        async def one(image: EncodedImage | EncodedVideo) -> ImageInput | list[ImageInput]:
+            if isinstance(image, EncodedVideo):
+                result = await self.videos.decode(image)
+            else:
+                result = await self.loader.decode(image)
             done = image.need_bytes - image.resized_bytes  # decoding is over
             reservation.release(done - image.nbytes if bytes_kept else done)
             return result
@@ -427,6 +475,17 @@ class Serving:
             left = reservation.transfer()
             work.add_done_callback(lambda f: (_retrieve(f), left.release()))
             raise
+
+def _flatten(inputs: list[ImageInput | list[ImageInput]]) -> list[ImageInput]:
+    """What an AddRequest carries: each image, and each video's groups in order."""
+    out: list[ImageInput] = []
+    for item in inputs:
+        if isinstance(item, list):
+            out.extend(item)
+        else:
+            out.append(item)
+    return out
+
 
 def _retrieve(fut: asyncio.Future) -> None:
     """Mark a future's exception as seen (its request is gone; the error is moot)."""
