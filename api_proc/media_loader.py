@@ -91,6 +91,14 @@ class EncodedImage:
             raise RuntimeError("image bytes already taken")
         return data
 
+    def held_by(self, engine) -> bool:
+        """Whether `engine`'s encoder cache holds this image (its mirror says so)."""
+        return engine.holds_image(self.key)
+
+    def without_pixels(self) -> ImageInput:
+        """What a request sends for an image the engine's encoder cache holds."""
+        return ImageInput(None, self.grid_thw, self.key)
+
     @property
     def resized_bytes(self) -> int:
         """Bytes of the uint8 pixels handed to the engine."""

@@ -383,7 +383,7 @@ class Serving:
                 reservation = await self.admission.exchange(held, need)
             else:
                 reservation = await self.admission.acquire(need)
-            if any(c.holds_image(e.key) for c in self.engines.engines for e in encoded):
+            if any(e.held_by(c) for c in self.engines.engines for e in encoded):
                 # before decoding takes the bytes; held by this call until it has submitted
                 kept = KeptImages([dataclasses.replace(e) for e in encoded],
                                   reservation.split(sum(e.nbytes for e in encoded)))
@@ -395,7 +395,7 @@ class Serving:
                 images: list[ImageInput | None] = [None] * len(encoded)  # decoded when needed
                 for i, (ids, params) in enumerate(zip(prompt_ids, sampling, strict=True)):
                     engine = self.engines.pick()
-                    skip = [kept is not None and engine.holds_image(e.key) for e in encoded]
+                    skip = [kept is not None and e.held_by(engine) for e in encoded]
                     todo = [j for j, s in enumerate(skip) if not s and images[j] is None]
                     if todo:
                         decoded = await self._decode([encoded[j] for j in todo], reservation,
@@ -403,7 +403,7 @@ class Serving:
                         for j, image in zip(todo, decoded, strict=True):
                             images[j] = image
                         decoded = None
-                    inputs = _flatten([ImageInput(None, e.grid_thw, e.key) if s else images[j]
+                    inputs = _flatten([e.without_pixels() if s else images[j]
                                        for j, (e, s) in enumerate(zip(encoded, skip,
                                                                       strict=True))])
                     self._count_skipped(encoded, skip)

@@ -23,6 +23,7 @@ the job returns, whatever happens.
 from __future__ import annotations
 
 import io
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import av
@@ -49,6 +50,7 @@ ALLOWED_CODECS = frozenset({"h264", "hevc", "vp8", "vp9", "av1", "libdav1d", "li
                             "mpeg4", "mpeg2video", "mpeg1video"})
 FRAME_LIST_TYPE = "video/jpeg"
 DEFAULT_FRAME_LIST_FPS = 1.0  # vLLM's
+DECODED_SIZES_KEPT = 4096  # about 100 bytes each
 DECODER_REFERENCE_FRAMES = 16  # H.264's most; the decoder's pool holds these plus one
 BYTES_PER_SOURCE_PIXEL = 1.5  # yuv420p, what decoders mostly hold
 
@@ -88,6 +90,10 @@ class EncodedVideo:
     layout: VideoLayout
     nbytes: int
     key: bytes
+    # (h, w) of the frames as decoded (after rotation) when this key was decoded before:
+    # a video whose every group the engine holds is then neither decoded nor sent
+    decoded_hw: tuple[int, int] | None = None
+    patch_size: int = 14
 
     def take(self) -> bytes | list[bytes]:
         data, self.data = self.data, None
@@ -96,8 +102,22 @@ class EncodedVideo:
         return data
 
     @property
-    def is_frame_list(self) -> bool:
-        return isinstance(self.data, list)
+    def group_keys(self) -> list[bytes]:
+        return [group_key(self.key, g) for g in range(self.layout.num_groups)]
+
+    def held_by(self, engine) -> bool:
+        """Whether `engine`'s encoder cache holds every group (its mirror says so) and the
+        groups' decoded size is known: decoding is all or nothing."""
+        return self.decoded_hw is not None and all(engine.holds_image(k)
+                                                   for k in self.group_keys)
+
+    def without_pixels(self) -> list[ImageInput]:
+        """What a request sends for a video whose groups the engine's cache holds."""
+        h, w = self.decoded_hw
+        p = self.patch_size
+        return [ImageInput(None, (1, h // p, w // p), key, video=True, temporal_pos=pos)
+                for key, pos in zip(self.group_keys, self.layout.temporal_positions,
+                                    strict=True)]
 
     @property
     def grid_thw(self) -> tuple[int, int, int]:
@@ -246,7 +266,7 @@ def _encoded(data, width, height, fps, total, indices, settings: VideoSettings,
     key = video_key(data, settings, indices, fps)
     return EncodedVideo(data=data, width=width, height=height, source_fps=fps,
                         total_frames=total, indices=indices, resized_hw=resized, layout=layout,
-                        nbytes=nbytes, key=key)
+                        nbytes=nbytes, key=key, patch_size=settings.patch_size)
 
 
 def decode_video(data: bytes | list[bytes], indices: list[int], resized_hw: tuple[int, int],
@@ -345,12 +365,15 @@ def _decode_frame_list(frames: list[bytes], resized_hw: tuple[int, int],
 
 class VideoLoader:
     """Videos through a MediaLoader's fetching (same SSRF checks, own size and time
-    limits) and its worker pool."""
+    limits) and its worker pool. Remembers the decoded frame size of the last
+    DECODED_SIZES_KEPT videos (their rotation is known only once a frame is decoded), so a
+    video sent again whose groups the engine's encoder cache holds need not be decoded."""
 
     def __init__(self, media: MediaLoader, settings: VideoSettings):
         self.media = media
         self.settings = settings
         self.limits = VideoLimits.of(media.config)
+        self._decoded_hw: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
 
     async def fetch(self, ref: MediaRef, sampling: VideoSampling) -> EncodedVideo:
         """Encoded bytes of the video `ref` names, with its header checked and sized."""
@@ -361,11 +384,17 @@ class VideoLoader:
             if media_type == FRAME_LIST_TYPE:
                 frames = await self.media._run(split_frame_list, url, start, max_bytes)
                 url = None
-                return await self.media._run(probe_frame_list, frames, self.limits.max_pixels,
-                                             self.settings, sampling)
+                encoded = await self.media._run(probe_frame_list, frames,
+                                                self.limits.max_pixels, self.settings, sampling)
+                frames = None
+                encoded.decoded_hw = self._decoded_hw.get(encoded.key)
+                return encoded
         data = await self.media.fetch_url(url, "video")
         url = None
-        return await self.media._run(probe_video, data, self.limits, self.settings, sampling)
+        encoded = await self.media._run(probe_video, data, self.limits, self.settings, sampling)
+        data = None
+        encoded.decoded_hw = self._decoded_hw.get(encoded.key)
+        return encoded
 
     async def decode(self, video: EncodedVideo) -> list[ImageInput]:
         """One ImageInput per temporal group: frames [1 or 2, H, W, 3], grid (1, h, w), the
@@ -379,5 +408,13 @@ class VideoLoader:
         inputs = [ImageInput(g, (1, g.shape[1] // p, g.shape[2] // p),
                              group_key(video.key, i), video=True, temporal_pos=positions[i])
                   for i, g in enumerate(groups)]
+        if groups:
+            self._remember(video.key, groups[0].shape[1:3])
         groups = None
         return inputs
+
+    def _remember(self, key: bytes, hw: tuple[int, int]) -> None:
+        self._decoded_hw[key] = tuple(int(v) for v in hw)
+        self._decoded_hw.move_to_end(key)
+        while len(self._decoded_hw) > DECODED_SIZES_KEPT:  # R4: bounded
+            self._decoded_hw.popitem(last=False)
