@@ -162,8 +162,8 @@ def parse_mm_processor_kwargs(text: str) -> tuple[tuple[str, int], ...]:
     for key, count in value.items():
         if key not in IMAGE_SIZE_KWARGS:
             raise argparse.ArgumentTypeError(
-                f"unknown processor setting {key!r}: flatserve takes images only, sized by "
-                f"{', '.join(IMAGE_SIZE_KWARGS)}")
+                f"unknown processor setting {key!r}: flatserve takes the resize bounds "
+                f"{', '.join(IMAGE_SIZE_KWARGS)} (how videos are sampled: --media-io-kwargs)")
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise argparse.ArgumentTypeError(f"{key} must be a positive pixel count, got {count!r}")
     return tuple(sorted(value.items()))

@@ -104,3 +104,13 @@ def test_over_budget_is_413_before_any_frame_is_decoded(start_app, engine_double
     roomy = start_app(engine_double, mm_inflight_budget=2_000_000)
     assert chat(roomy, video_content(data_url(clip))).status_code == 200
     assert calls == [1]
+
+
+def test_a_prompt_over_max_model_len_is_400_before_any_frame_is_decoded(start_app, engine_double,
+                                                                        monkeypatch):
+    calls = []
+    monkeypatch.setattr(video_loader, "decode_video", lambda *a: calls.append(1))
+    server = start_app(engine_double, max_model_len=48)
+    error = assert_error(chat(server, video_content(data_url(make_clip(12, 96, 64)))), 400,
+                         match="max_model_len is 48")
+    assert error.code == "context_length_exceeded" and calls == []
