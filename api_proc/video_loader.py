@@ -90,6 +90,7 @@ class EncodedVideo:
     layout: VideoLayout
     nbytes: int
     key: bytes
+    count_exact: bool = True  # the header states the frame count (else duration x fps)
     # (h, w) of the frames as decoded (after rotation) when this key was decoded before:
     # a video whose every group the engine holds is then neither decoded nor sent
     decoded_hw: tuple[int, int] | None = None
@@ -161,7 +162,7 @@ def probe_video(data: bytes, limits: VideoLimits, settings: VideoSettings,
         problem = f"video data is not a supported container: {type(e).__name__}"
     if problem is not None:
         raise BadRequest(problem, param=PARAM, code="invalid_video")
-    codec, width, height, fps, duration, total = header
+    codec, width, height, fps, duration, total, exact = header
     if codec not in ALLOWED_CODECS:
         raise BadRequest(f"video codec {codec or 'unknown'} is not supported (supported: "
                          "h264, hevc, vp8, vp9, av1, mpeg4, mpeg2)", param=PARAM,
@@ -182,12 +183,14 @@ def probe_video(data: bytes, limits: VideoLimits, settings: VideoSettings,
         raise BadRequest(f"video has {total} frames to decode; max_video_decode_frames is "
                          f"{limits.max_decode_frames}", param=PARAM, code="video_too_large")
     indices = sample_indices(total, fps, sampling.num_frames, sampling.fps)
-    return _encoded(data, width, height, fps, total, indices, settings, sampling, len(data))
+    encoded = _encoded(data, width, height, fps, total, indices, settings, sampling, len(data))
+    encoded.count_exact = exact
+    return encoded
 
 
-def _header(container, stream) -> tuple[str, int, int, float, float, int]:
-    """(codec, width, height, fps, seconds, frames) from the header; frames from duration x
-    fps when the container does not say (as vLLM's PyAV reader)."""
+def _header(container, stream) -> tuple[str, int, int, float, float, int, bool]:
+    """(codec, width, height, fps, seconds, frames, whether the container states the frame
+    count); frames from duration x fps when it does not (as vLLM's PyAV reader)."""
     ctx = stream.codec_context
     fps = float(stream.average_rate or stream.guessed_rate or 0)
     if stream.duration and stream.time_base:
@@ -195,11 +198,12 @@ def _header(container, stream) -> tuple[str, int, int, float, float, int]:
     else:
         duration = (container.duration or 0) / av.time_base
     total = int(stream.frames or 0)
-    if total <= 0 and fps > 0:
+    exact = total > 0
+    if not exact and fps > 0:
         total = round(duration * fps)
     if duration <= 0 and fps > 0:
         duration = total / fps
-    return ctx.name or "", int(ctx.width), int(ctx.height), fps, duration, total
+    return ctx.name or "", int(ctx.width), int(ctx.height), fps, duration, total, exact
 
 
 def split_frame_list(url: str, start: int, max_bytes: int) -> list[bytes]:
@@ -270,16 +274,20 @@ def _encoded(data, width, height, fps, total, indices, settings: VideoSettings,
 
 
 def decode_video(data: bytes | list[bytes], indices: list[int], resized_hw: tuple[int, int],
-                 source_hw: tuple[int, int], temporal_patch: int) -> list[np.ndarray]:
+                 source_hw: tuple[int, int], temporal_patch: int,
+                 slack: int = 0) -> list[np.ndarray]:
     """The sampled frames, resized, as one uint8 array [frames, H, W, 3] per temporal group
-    (its own buffer: the engine frees each group once it is encoded). Runs in a pool
+    (its own buffer: the engine frees each group once it is encoded). `slack`: how many
+    frames short of the header's count the stream may end (a count estimated from the
+    duration); sampled frames past its end repeat the last one decoded. Runs in a pool
     thread."""
     problem = None
     try:
         if isinstance(data, list):
             groups = _decode_frame_list(data, resized_hw, temporal_patch)
         else:
-            groups = _decode_container(data, indices, resized_hw, source_hw, temporal_patch)
+            groups = _decode_container(data, indices, resized_hw, source_hw, temporal_patch,
+                                       slack)
     except _Refused as e:
         problem = str(e)
     except (av.FFmpegError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
@@ -310,7 +318,8 @@ _ROTATIONS = {90: Image.Transpose.ROTATE_90, 180: Image.Transpose.ROTATE_180,
 
 
 def _decode_container(data: bytes, indices: list[int], resized_hw: tuple[int, int],
-                      source_hw: tuple[int, int], temporal_patch: int) -> list[np.ndarray]:
+                      source_hw: tuple[int, int], temporal_patch: int,
+                      slack: int) -> list[np.ndarray]:
     wanted = {index: k for k, index in enumerate(indices)}
     last = indices[-1]
     groups: list[np.ndarray] = []
@@ -339,9 +348,13 @@ def _decode_container(data: bytes, indices: list[int], resized_hw: tuple[int, in
             frame = None  # the source frame goes before the next one is decoded
             if index >= last:
                 break
-    if seen <= last:
+    done = sum(1 for index in indices if index < seen)  # sampled frames written
+    if seen <= last and (seen + slack <= last or done == 0):
         raise _Refused(f"video ended after {seen} frames; its header declares at least "
                        f"{last + 1} (a truncated file?)")
+    for k in range(done, len(indices)):  # a duration-estimated count a frame or two long
+        previous = groups[(k - 1) // temporal_patch][(k - 1) % temporal_patch]
+        groups[k // temporal_patch][k % temporal_patch] = previous
     return groups
 
 
@@ -400,9 +413,10 @@ class VideoLoader:
         """One ImageInput per temporal group: frames [1 or 2, H, W, 3], grid (1, h, w), the
         group's key and temporal position; moves the encoded bytes out of `video` (R1)."""
         settings = self.settings
+        slack = 0 if video.count_exact else max(2, video.total_frames // 100)
         groups = await self.media._run(
             decode_video, video.take(), video.indices, video.resized_hw,
-            (video.height, video.width), settings.temporal_patch_size)
+            (video.height, video.width), settings.temporal_patch_size, slack)
         p = settings.patch_size
         positions = video.layout.temporal_positions
         inputs = [ImageInput(g, (1, g.shape[1] // p, g.shape[2] // p),

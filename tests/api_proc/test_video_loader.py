@@ -114,3 +114,19 @@ def test_a_prompt_over_max_model_len_is_400_before_any_frame_is_decoded(start_ap
     error = assert_error(chat(server, video_content(data_url(make_clip(12, 96, 64)))), 400,
                          match="max_model_len is 48")
     assert error.code == "context_length_exceeded" and calls == []
+
+
+def test_a_count_estimated_from_the_duration_may_be_a_frame_long(settings):
+    """Containers without a frame count (WebM, MKV) are counted as duration x fps; a stream
+    a frame shorter than that repeats its last sampled frame instead of failing, and only
+    then: an exact count, or a stream far shorter, is refused."""
+    clip = make_clip(7, 96, 64, container="matroska")
+    encoded = probe_video(clip, LIMITS, settings, VideoSampling(32))
+    assert not encoded.count_exact and encoded.total_frames == 7
+    hw, source = encoded.resized_hw, (64, 96)
+    groups = decode_video(clip, [0, 2, 4, 7], hw, source, 2, slack=2)
+    assert np.array_equal(groups[1][1], groups[1][0])
+    with pytest.raises(Exception, match="video ended after 7 frames"):
+        decode_video(clip, [0, 2, 4, 7], hw, source, 2, slack=0)
+    with pytest.raises(Exception, match="video ended after 7 frames"):
+        decode_video(clip, [0, 2, 4, 12], hw, source, 2, slack=2)
