@@ -107,7 +107,7 @@ def test_two_frame_patchify_equals_transformers(family):
     assert torch.equal(ours, hf_video_patches(config, video))
 
 
-@pytest.mark.parametrize("num_frames, rows, cols", [(6, 2, 3), (5, 3, 2)])
+@pytest.mark.parametrize("num_frames, rows, cols", [(6, 2, 3), (5, 3, 2), (4, 5, 6)])
 def test_video_greedy_tokens_equal_transformers(family, num_frames, rows, cols):
     path, config, hf = family
     from tokenizers import Tokenizer
