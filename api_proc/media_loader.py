@@ -149,8 +149,8 @@ def data_url_media_type(url: str, kind: str = "image") -> tuple[str, int]:
     if "base64" not in meta[1:]:
         raise BadRequest("data URLs must be base64-encoded", param=param)
     if meta[0] and not meta[0].startswith(kind + "/"):
-        raise BadRequest(f"data URL media type {meta[0]!r} is not a{'n' * (kind == 'image')} "
-                         f"{kind}", param=param)
+        what = {"image": "an image", "video": "a video"}[kind]
+        raise BadRequest(f"data URL media type {meta[0]!r} is not {what}", param=param)
     return meta[0], len(head) + 1
 
 
@@ -317,7 +317,8 @@ class MediaLoader:
         if self._own_executor:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
-    async def _run(self, fn, *args):
+    async def run_in_pool(self, fn, *args):
+        """fn(*args) in the media worker pool (decoding never runs on the event loop)."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     # -- step 1: bytes and header
@@ -325,7 +326,7 @@ class MediaLoader:
     async def fetch(self, ref: MediaRef) -> EncodedImage:
         """Encoded bytes of the image `ref` names, with its header checked and sized."""
         data = await self.fetch_bytes(ref)
-        return await self._run(probe_image, data, self.config.max_image_pixels, self.image_config)
+        return await self.run_in_pool(probe_image, data, self.config.max_image_pixels, self.image_config)
 
     async def fetch_bytes(self, ref: MediaRef) -> bytes:
         kind = ref.kind
@@ -338,7 +339,7 @@ class MediaLoader:
         max_bytes = self._max_bytes(kind)
         param = f"{kind}_url"
         if scheme == "data":
-            return await self._run(decode_data_url, url, max_bytes, kind)
+            return await self.run_in_pool(decode_data_url, url, max_bytes, kind)
         if scheme in ("http", "https"):
             return await self._fetch_http(url, kind)
         if scheme == "file":
@@ -352,7 +353,7 @@ class MediaLoader:
                 parts = None
             if parts is None or parts.netloc not in ("", "localhost"):
                 raise BadRequest(f"file:// {kind} URLs must name a local path", param=param)
-            return await self._run(read_local_file, unquote(parts.path), root, max_bytes, kind)
+            return await self.run_in_pool(read_local_file, unquote(parts.path), root, max_bytes, kind)
         raise BadRequest(f"{param} must be a data:, http(s):// or file:// URL", param=param)
 
     def _max_bytes(self, kind: str) -> int:
@@ -368,7 +369,7 @@ class MediaLoader:
     async def decode(self, image: EncodedImage) -> ImageInput:
         """Resized uint8 pixels + grid; moves the encoded bytes out of `image` (R1)."""
         grid = image.grid_thw
-        pixels, grid = await self._run(decode_and_resize, image.take(), self.image_config, grid)
+        pixels, grid = await self.run_in_pool(decode_and_resize, image.take(), self.image_config, grid)
         return ImageInput(pixels=pixels, grid_thw=grid, key=image.key)
 
     # -- http(s)

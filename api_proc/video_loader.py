@@ -395,16 +395,16 @@ class VideoLoader:
         if url[:5].lower() == "data:":
             media_type, start = data_url_media_type(url, "video")
             if media_type == FRAME_LIST_TYPE:
-                frames = await self.media._run(split_frame_list, url, start, max_bytes)
+                frames = await self.media.run_in_pool(split_frame_list, url, start, max_bytes)
                 url = None
-                encoded = await self.media._run(probe_frame_list, frames,
+                encoded = await self.media.run_in_pool(probe_frame_list, frames,
                                                 self.limits.max_pixels, self.settings, sampling)
                 frames = None
                 encoded.decoded_hw = self._decoded_hw.get(encoded.key)
                 return encoded
         data = await self.media.fetch_url(url, "video")
         url = None
-        encoded = await self.media._run(probe_video, data, self.limits, self.settings, sampling)
+        encoded = await self.media.run_in_pool(probe_video, data, self.limits, self.settings, sampling)
         data = None
         encoded.decoded_hw = self._decoded_hw.get(encoded.key)
         return encoded
@@ -414,7 +414,7 @@ class VideoLoader:
         group's key and temporal position; moves the encoded bytes out of `video` (R1)."""
         settings = self.settings
         slack = 0 if video.count_exact else max(2, video.total_frames // 100)
-        groups = await self.media._run(
+        groups = await self.media.run_in_pool(
             decode_video, video.take(), video.indices, video.resized_hw,
             (video.height, video.width), settings.temporal_patch_size, slack)
         p = settings.patch_size
