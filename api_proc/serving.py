@@ -279,8 +279,9 @@ class Serving:
                                  param="messages", code=f"too_many_{kind}s")
 
     def _video_sampling(self, request_kwargs: dict | None) -> VideoSampling:
-        """The server's --media-io-kwargs with the request's over them (vLLM's merge: a
-        request that names num_frames or fps replaces both), within max_video_frames."""
+        """The server's --media-io-kwargs, or the request's video settings instead: fps it
+        leaves out is none (as vLLM's merge drops it), num_frames it leaves out the
+        server's (vLLM: 32); at most max_video_frames."""
         num_frames, fps = self.config.video_num_frames, self.config.video_fps
         if request_kwargs is not None:
             try:
