@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import httpx
 import pytest
@@ -119,8 +120,22 @@ def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def _threads() -> set[str]:
-    return {t.name for t in threading.enumerate()}
+def _settled(count, at_most: int | None = None, timeout: float = 3.0) -> int:
+    """count() once it stops falling (or reaches at_most), within `timeout`."""
+    deadline = time.monotonic() + timeout
+    value = count()
+    while time.monotonic() < deadline and (at_most is None or value > at_most):
+        time.sleep(0.1)
+        again = count()
+        if at_most is None and again >= value:
+            return again
+        value = again
+    return value
+
+
+def _threads() -> tuple[set[str], int]:
+    """Python threads by name, and every thread of the process (FFmpeg's own included)."""
+    return {t.name for t in threading.enumerate()}, len(os.listdir("/proc/self/task"))
 
 
 def test_bad_videos_get_a_clear_4xx_and_leave_nothing_behind(start_app, engine_double, clip,
@@ -160,9 +175,11 @@ def test_bad_videos_get_a_clear_4xx_and_leave_nothing_behind(start_app, engine_d
         assert r.status_code == 200, r.text  # still serving
 
     send_all()  # a first round may open what lives on (pool threads, libraries' files)
-    fds, threads = _open_fds(), _threads()
+    fds, threads = _settled(_open_fds), _threads()
     for _ in range(2):
         send_all()
-    assert _open_fds() <= fds
-    assert _threads() <= threads
+    # the server closes its side of the last connection a moment after the client did
+    assert _settled(_open_fds, fds) <= fds
+    names, count = _threads()
+    assert names <= threads[0] and count <= threads[1]
     assert httpx.get(server.url + "/health").status_code == 200
