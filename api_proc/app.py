@@ -236,7 +236,7 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
     async def invocations(request: Request) -> Response:
         return await handle("invocations", request, prepare_invocation)
 
-    tokenization = Tokenization(serving, loader)
+    tokenization = Tokenization(serving)
 
     async def tokenization_route(endpoint: str, request: Request, work) -> Response:
         body = None

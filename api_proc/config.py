@@ -38,9 +38,13 @@ def parse_json_list(text: str) -> list[str]:
     return value
 
 
-def parse_mm_limit(text: str) -> int:
-    """--limit-mm-per-prompt: '8' or vLLM's '{"image": 8}' (video must be 0: flatserve takes
-    images only)."""
+DEFAULT_IMAGE_LIMIT = 8
+DEFAULT_VIDEO_LIMIT = 1
+
+
+def parse_mm_limit(text: str) -> tuple[int, int]:
+    """--limit-mm-per-prompt: '8' (images) or vLLM's '{"image": 8, "video": 1}' ->
+    (images, videos); a modality left out keeps its default (audio must be 0)."""
     try:
         value = json.loads(text)
     except ValueError:
@@ -53,12 +57,62 @@ def parse_mm_limit(text: str) -> int:
     unknown = set(value) - {"image", "video", "audio"}
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown modality {sorted(unknown)[0]!r}")
-    if any(value.get(m) for m in ("video", "audio")):
-        raise argparse.ArgumentTypeError("only images are supported: video and audio must be 0")
-    count = value.get("image", 8)
-    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
-        raise argparse.ArgumentTypeError(f"the image limit must be a count, got {count!r}")
-    return count
+    if value.get("audio"):
+        raise argparse.ArgumentTypeError("audio is not supported: its limit must be 0")
+    counts = []
+    for name, default in (("image", DEFAULT_IMAGE_LIMIT), ("video", DEFAULT_VIDEO_LIMIT)):
+        count = value.get(name, default)
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise argparse.ArgumentTypeError(f"the {name} limit must be a count, got {count!r}")
+        counts.append(count)
+    return counts[0], counts[1]
+
+
+VIDEO_IO_KWARGS = ("num_frames", "fps")
+DEFAULT_VIDEO_NUM_FRAMES = 32  # vLLM's: frames sampled uniformly over the whole clip
+
+
+def check_media_io_kwargs(value) -> dict:
+    """vLLM's media_io_kwargs ({"video": {"num_frames": N, "fps": F}}) checked; ValueError
+    names what is wrong. num_frames: frames sampled uniformly; fps > 0: at most that many
+    frames a second of the clip (and at most num_frames). Other keys are refused by name."""
+    if not isinstance(value, dict):
+        raise ValueError("media_io_kwargs must be a JSON object")
+    for modality in value:
+        if modality != "video":
+            raise ValueError(f"media_io_kwargs: {modality!r} takes no settings here (only "
+                             "video: num_frames, fps)")
+    video = value.get("video") or {}
+    if not isinstance(video, dict):
+        raise ValueError("media_io_kwargs.video must be a JSON object")
+    for key, v in video.items():
+        if key not in VIDEO_IO_KWARGS:
+            raise ValueError(f"media_io_kwargs.video: unknown setting {key!r} (flatserve "
+                             f"takes {', '.join(VIDEO_IO_KWARGS)})")
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise ValueError(f"media_io_kwargs.video.{key} must be a number, got {v!r}")
+    num_frames = video.get("num_frames")
+    if num_frames is not None and (not isinstance(num_frames, int) or num_frames < 1):
+        raise ValueError(f"media_io_kwargs.video.num_frames must be a positive count, got "
+                         f"{num_frames!r} (every frame, -1, is not taken: it would decode and "
+                         "keep the whole clip)")
+    fps = video.get("fps")
+    if fps is not None and not fps > 0:
+        raise ValueError(f"media_io_kwargs.video.fps must be positive, got {fps!r}")
+    return {"video": dict(video)} if video else {}
+
+
+def parse_media_io_kwargs(text: str) -> str:
+    """--media-io-kwargs: vLLM's JSON ('{"video": {"num_frames": 32, "fps": 2}}'), kept as
+    canonical JSON text (a frozen config holds no dict)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object") from None
+    try:
+        return json.dumps(check_media_io_kwargs(value), sort_keys=True)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 IMAGE_SIZE_KWARGS = ("min_pixels", "max_pixels")
@@ -129,8 +183,8 @@ def parse_mm_processor_kwargs(text: str) -> tuple[tuple[str, int], ...]:
     for key, count in value.items():
         if key not in IMAGE_SIZE_KWARGS:
             raise argparse.ArgumentTypeError(
-                f"unknown processor setting {key!r}: flatserve takes images only, sized by "
-                f"{', '.join(IMAGE_SIZE_KWARGS)}")
+                f"unknown processor setting {key!r}: flatserve takes the resize bounds "
+                f"{', '.join(IMAGE_SIZE_KWARGS)} (how videos are sampled: --media-io-kwargs)")
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise argparse.ArgumentTypeError(f"{key} must be a positive pixel count, got {count!r}")
     return tuple(sorted(value.items()))
@@ -159,8 +213,25 @@ class ApiConfig:
     allow_credentials: bool = opt(False, "CORS: let browsers send cookies and credentials")
     max_model_len: int = opt(0, "prompt + completion token limit, as 4096, 32k or 32K (0: the "
                                 "model's own, at most 8192)", parse=parse_human_int)
-    limit_mm_per_prompt: int = opt(8, "most images in one request: N, or vLLM's JSON form "
-                                      "'{\"image\": N}'", parse=parse_mm_limit)
+    limit_mm_per_prompt: tuple[int, int] = opt(
+        (DEFAULT_IMAGE_LIMIT, DEFAULT_VIDEO_LIMIT), "most images (and videos) in one request: "
+        "N images, or vLLM's JSON form '{\"image\": N, \"video\": M}' (default 8 and 1)",
+        parse=parse_mm_limit)
+    media_io_kwargs: str = opt(
+        "{}", "how videos are sampled, vLLM's JSON form '{\"video\": {\"num_frames\": 32, "
+        "\"fps\": 2}}': num_frames spread uniformly over the clip (default 32), at most fps a "
+        "second when given; a request's media_io_kwargs override it within --max-video-frames",
+        parse=parse_media_io_kwargs)
+    max_video_bytes: int = opt(64 * MiB, "most encoded bytes per video (a frame list: all "
+                                         "its frames)")
+    max_video_frames: int = opt(64, "most frames sampled from one video (num_frames above it "
+                                    "is refused)")
+    max_video_decode_frames: int = opt(
+        7200, "most frames the decoder may walk through in one video (its whole length: "
+        "decoding is sequential), 4 minutes at 30 fps")
+    max_video_pixels: int = opt(4096 * 2160, "most pixels a video frame may declare")
+    max_video_duration_s: float = opt(600.0, "longest video a request may send, in seconds")
+    video_fetch_timeout_s: float = opt(30.0, "deadline for downloading one video (vLLM's)")
     ssl_keyfile: str | None = opt(None, "TLS: the server's private key file (PEM)")
     ssl_certfile: str | None = opt(None, "TLS: the server's certificate chain file (PEM); with "
                                          "--ssl-keyfile the API serves https://")
@@ -284,10 +355,26 @@ class ApiConfig:
                                          or self.allowed_headers != ("*",)):
             raise ValueError("allowed_methods, allowed_headers and allow_credentials apply to "
                              "the origins in allowed_origins: give it too")
-        for name in ("max_model_len", "media_workers", "limit_mm_per_prompt"):
+        for name in ("max_model_len", "media_workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")
-        for name in ("max_image_pixels", "max_image_bytes", "max_body_bytes",
+        limits = self.limit_mm_per_prompt
+        if isinstance(limits, int):  # a count of images, the video limit its default
+            limits = (limits, DEFAULT_VIDEO_LIMIT)
+        limits = tuple(limits)
+        if len(limits) != 2 or min(limits) < 0:
+            raise ValueError(f"limit_mm_per_prompt must be (images, videos) counts, got {limits}")
+        object.__setattr__(self, "limit_mm_per_prompt", limits)
+        try:
+            kwargs = check_media_io_kwargs(json.loads(self.media_io_kwargs))
+        except ValueError as e:
+            raise ValueError(f"media_io_kwargs: {e}") from None
+        object.__setattr__(self, "media_io_kwargs", json.dumps(kwargs, sort_keys=True))
+        if self.video_num_frames > self.max_video_frames:
+            raise ValueError(f"media_io_kwargs: num_frames {self.video_num_frames} is above "
+                             f"max_video_frames={self.max_video_frames}")
+        for name in ("max_image_pixels", "max_image_bytes", "max_body_bytes", "max_video_bytes",
+                     "max_video_frames", "max_video_decode_frames", "max_video_pixels",
                      "max_header_bytes", "max_unread_bodies", "mm_inflight_budget", "max_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -295,7 +382,7 @@ class ApiConfig:
             raise ValueError(f"shutdown_timeout_s must not be negative, got "
                              f"{self.shutdown_timeout_s}")
         for name in ("admission_timeout_s", "media_fetch_timeout_s", "header_read_timeout_s",
-                     "body_read_timeout_s"):
+                     "body_read_timeout_s", "video_fetch_timeout_s", "max_video_duration_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.allowed_media_domains is not None:
@@ -414,6 +501,24 @@ class ApiConfig:
     def model_name(self) -> str:
         """The served name responses carry: the first of served_model_name."""
         return self.served_model_name[0]
+
+    @property
+    def max_images_per_prompt(self) -> int:
+        return self.limit_mm_per_prompt[0]
+
+    @property
+    def max_videos_per_prompt(self) -> int:
+        return self.limit_mm_per_prompt[1]
+
+    @property
+    def video_num_frames(self) -> int:
+        """Frames sampled from a video unless its request says otherwise."""
+        video = json.loads(self.media_io_kwargs).get("video", {})
+        return int(video.get("num_frames", DEFAULT_VIDEO_NUM_FRAMES))
+
+    @property
+    def video_fps(self) -> float | None:
+        return json.loads(self.media_io_kwargs).get("video", {}).get("fps")
 
     @property
     def num_media_workers(self) -> int:

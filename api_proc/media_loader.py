@@ -54,17 +54,18 @@ _SWAPS_SIDES = frozenset({5, 6, 7, 8})
 
 
 class MediaRef:
-    """Holder of one image URL; the loader takes the string out (R1)."""
+    """Holder of one image or video URL; the loader takes the string out (R1)."""
 
-    __slots__ = ("url",)
+    __slots__ = ("url", "kind")
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, kind: str = "image"):
         self.url: str | None = url
+        self.kind = kind  # "image" | "video"
 
     def take(self) -> str:
         url, self.url = self.url, None
         if url is None:
-            raise RuntimeError("image URL already taken")
+            raise RuntimeError(f"{self.kind} URL already taken")
         return url
 
 
@@ -89,6 +90,14 @@ class EncodedImage:
         if data is None:
             raise RuntimeError("image bytes already taken")
         return data
+
+    def held_by(self, engine) -> bool:
+        """Whether `engine`'s encoder cache holds this image (its mirror says so)."""
+        return engine.holds_image(self.key)
+
+    def without_pixels(self) -> ImageInput:
+        """What a request sends for an image the engine's encoder cache holds."""
+        return ImageInput(None, self.grid_thw, self.key)
 
     @property
     def resized_bytes(self) -> int:
@@ -125,66 +134,79 @@ def _pil_pixel_size(mode: str) -> int:
 # ------------------------------------------------------------------ worker-pool jobs
 
 
-def decode_data_url(url: str, max_bytes: int) -> bytes:
+def too_large(kind: str, max_bytes: int) -> PayloadTooLarge:
+    return PayloadTooLarge(f"{kind} is larger than max_{kind}_bytes={max_bytes} bytes",
+                           param=f"{kind}_url", code=f"{kind}_too_large")
+
+
+def data_url_media_type(url: str, kind: str = "image") -> tuple[str, int]:
+    """(media type, index where the payload starts) of a base64 data URL, checked."""
+    param = f"{kind}_url"
     head, sep, _ = url[:256].partition(",")
     if not sep or not head.lower().startswith("data:"):
-        raise BadRequest("malformed data URL: expected data:<mime>;base64,<data>",
-                              param="image_url")
+        raise BadRequest("malformed data URL: expected data:<mime>;base64,<data>", param=param)
     meta = head[5:].lower().split(";")
     if "base64" not in meta[1:]:
-        raise BadRequest("data URLs must be base64-encoded", param="image_url")
-    if meta[0] and not meta[0].startswith("image/"):
-        raise BadRequest(f"data URL media type {meta[0]!r} is not an image", param="image_url")
-    start = len(head) + 1
-    if (len(url) - start) * 3 // 4 > max_bytes + 2:
-        raise PayloadTooLarge(f"image is larger than max_image_bytes={max_bytes} bytes",
-                                   param="image_url", code="image_too_large")
+        raise BadRequest("data URLs must be base64-encoded", param=param)
+    if meta[0] and not meta[0].startswith(kind + "/"):
+        what = {"image": "an image", "video": "a video"}[kind]
+        raise BadRequest(f"data URL media type {meta[0]!r} is not {what}", param=param)
+    return meta[0], len(head) + 1
+
+
+def decode_base64(text: str, kind: str = "image") -> bytes:
     try:
-        data = binascii.a2b_base64(url[start:])
+        data = binascii.a2b_base64(text)
     except (binascii.Error, ValueError):
         data = None
     if data is None:
-        raise BadRequest("data URL is not valid base64", param="image_url")
-    if len(data) > max_bytes:
-        raise PayloadTooLarge(f"image is larger than max_image_bytes={max_bytes} bytes",
-                                   param="image_url", code="image_too_large")
+        raise BadRequest("data URL is not valid base64", param=f"{kind}_url")
     return data
 
 
-def read_local_file(path_text: str, root: str, max_bytes: int) -> bytes:
+def decode_data_url(url: str, max_bytes: int, kind: str = "image") -> bytes:
+    _, start = data_url_media_type(url, kind)
+    if (len(url) - start) * 3 // 4 > max_bytes + 2:
+        raise too_large(kind, max_bytes)
+    data = decode_base64(url[start:], kind)
+    if len(data) > max_bytes:
+        raise too_large(kind, max_bytes)
+    return data
+
+
+def read_local_file(path_text: str, root: str, max_bytes: int, kind: str = "image") -> bytes:
+    param = f"{kind}_url"
     path = Path(path_text)
     if not path.is_absolute():
-        raise BadRequest("file:// image URLs need an absolute path", param="image_url")
+        raise BadRequest(f"file:// {kind} URLs need an absolute path", param=param)
     if "\x00" in path_text:
-        raise BadRequest("image URL path: a NUL byte (%00) names no file", param="image_url",
-                         code="invalid_image_url")
+        raise BadRequest(f"{kind} URL path: a NUL byte (%00) names no file", param=param,
+                         code=f"invalid_{kind}_url")
     try:
         real = path.resolve(strict=True)  # follows symlinks and '..'
     except (OSError, RuntimeError):
         real = None
     if real is None:
-        raise BadRequest("image file not found", param="image_url")
+        raise BadRequest(f"{kind} file not found", param=param)
     if not real.is_relative_to(root):
-        raise BadRequest("image file is outside allowed_local_media_path", param="image_url")
+        raise BadRequest(f"{kind} file is outside allowed_local_media_path", param=param)
     try:  # O_NONBLOCK: a FIFO planted under the folder must not hang a worker
         fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         fd = -1
     if fd < 0:
-        raise BadRequest("image file cannot be opened", param="image_url")
+        raise BadRequest(f"{kind} file cannot be opened", param=param)
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode):
         os.close(fd)
-        raise BadRequest("image path is not a regular file", param="image_url")
+        raise BadRequest(f"{kind} path is not a regular file", param=param)
     if info.st_size > max_bytes:
         os.close(fd)
-        raise PayloadTooLarge(f"image is larger than max_image_bytes={max_bytes} bytes",
-                                   param="image_url", code="image_too_large")
+        raise too_large(kind, max_bytes)
     with os.fdopen(fd, "rb") as f:
         data = f.read(max_bytes + 1)
     if len(data) > max_bytes:
-        raise PayloadTooLarge(f"image is larger than max_image_bytes={max_bytes} bytes",
-                                   param="image_url", code="image_too_large")
+        raise too_large(kind, max_bytes)
     return data
 
 
@@ -295,7 +317,8 @@ class MediaLoader:
         if self._own_executor:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
-    async def _run(self, fn, *args):
+    async def run_in_pool(self, fn, *args):
+        """fn(*args) in the media worker pool (decoding never runs on the event loop)."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     # -- step 1: bytes and header
@@ -303,38 +326,50 @@ class MediaLoader:
     async def fetch(self, ref: MediaRef) -> EncodedImage:
         """Encoded bytes of the image `ref` names, with its header checked and sized."""
         data = await self.fetch_bytes(ref)
-        return await self._run(probe_image, data, self.config.max_image_pixels, self.image_config)
+        return await self.run_in_pool(probe_image, data, self.config.max_image_pixels, self.image_config)
 
     async def fetch_bytes(self, ref: MediaRef) -> bytes:
+        kind = ref.kind
         url = ref.take()
+        return await self.fetch_url(url, kind)
+
+    async def fetch_url(self, url: str, kind: str = "image") -> bytes:
+        """The bytes a data:, http(s):// or file:// URL names, within the kind's limits."""
         scheme = url[:8].split(":", 1)[0].lower()
-        max_bytes = self.config.max_image_bytes
+        max_bytes = self._max_bytes(kind)
+        param = f"{kind}_url"
         if scheme == "data":
-            return await self._run(decode_data_url, url, max_bytes)
+            return await self.run_in_pool(decode_data_url, url, max_bytes, kind)
         if scheme in ("http", "https"):
-            return await self._fetch_http(url)
+            return await self._fetch_http(url, kind)
         if scheme == "file":
             root = self.config.allowed_local_media_path
             if root is None:
-                raise BadRequest("file:// image URLs are disabled (no "
-                                      "allowed_local_media_path)", param="image_url")
+                raise BadRequest(f"file:// {kind} URLs are disabled (no "
+                                 "allowed_local_media_path)", param=param)
             try:
                 parts = urlsplit(url)
             except ValueError:
                 parts = None
             if parts is None or parts.netloc not in ("", "localhost"):
-                raise BadRequest("file:// image URLs must name a local path",
-                                      param="image_url")
-            return await self._run(read_local_file, unquote(parts.path), root, max_bytes)
-        raise BadRequest("image_url must be a data:, http(s):// or file:// URL",
-                              param="image_url")
+                raise BadRequest(f"file:// {kind} URLs must name a local path", param=param)
+            return await self.run_in_pool(read_local_file, unquote(parts.path), root, max_bytes, kind)
+        raise BadRequest(f"{param} must be a data:, http(s):// or file:// URL", param=param)
+
+    def _max_bytes(self, kind: str) -> int:
+        return self.config.max_video_bytes if kind == "video" else self.config.max_image_bytes
+
+    def _fetch_timeout(self, kind: str) -> tuple[str, float]:
+        if kind == "video":
+            return "video_fetch_timeout_s", self.config.video_fetch_timeout_s
+        return "media_fetch_timeout_s", self.config.media_fetch_timeout_s
 
     # -- step 2: pixels
 
     async def decode(self, image: EncodedImage) -> ImageInput:
         """Resized uint8 pixels + grid; moves the encoded bytes out of `image` (R1)."""
         grid = image.grid_thw
-        pixels, grid = await self._run(decode_and_resize, image.take(), self.image_config, grid)
+        pixels, grid = await self.run_in_pool(decode_and_resize, image.take(), self.image_config, grid)
         return ImageInput(pixels=pixels, grid_thw=grid, key=image.key)
 
     # -- http(s)
@@ -342,20 +377,22 @@ class MediaLoader:
     def _client(self) -> httpx.AsyncClient:
         if self._http is None:
             # No keep-alive: connections are made to a pinned IP with the name only in SNI and
-            # Host, and a pooled connection must never serve another name.
+            # Host, and a pooled connection must never serve another name. Each fetch has its
+            # own deadline (_fetch_http); this one bounds a single read or connect.
             self._http = httpx.AsyncClient(
                 follow_redirects=False, trust_env=False,
                 limits=httpx.Limits(max_keepalive_connections=0),
-                timeout=httpx.Timeout(self.config.media_fetch_timeout_s))
+                timeout=httpx.Timeout(max(self.config.media_fetch_timeout_s,
+                                          self.config.video_fetch_timeout_s)))
         return self._http
 
-    def _check_host(self, host: str) -> None:
+    def _check_host(self, host: str, kind: str = "image") -> None:
         allowed = self.config.allowed_media_domains
         if allowed is not None and host.lower().rstrip(".") not in allowed:
-            raise BadRequest(f"image host {host!r} is not in allowed_media_domains",
-                                  param="image_url", code="media_host_not_allowed")
+            raise BadRequest(f"{kind} host {host!r} is not in allowed_media_domains",
+                             param=f"{kind}_url", code="media_host_not_allowed")
 
-    async def _resolve(self, host: str, port: int) -> str:
+    async def _resolve(self, host: str, port: int, kind: str = "image") -> str:
         """One IP for `host`, every answer checked; the connection is pinned to it so a second
         DNS lookup cannot point somewhere else (rebinding)."""
         try:
@@ -364,34 +401,34 @@ class MediaLoader:
         except (socket.gaierror, UnicodeError):
             infos = []
         if not infos:
-            raise BadRequest(f"image host {host!r} cannot be resolved", param="image_url")
+            raise BadRequest(f"{kind} host {host!r} cannot be resolved", param=f"{kind}_url")
         ips = [ipaddress.ip_address(info[4][0].split("%", 1)[0]) for info in infos]
         if not self.config.allow_private_media_addresses:
             for ip in ips:
                 if not is_public_address(ip):
                     raise BadRequest(
-                        f"image host {host!r} resolves to a non-public address ({ip}); "
-                        "refused", param="image_url", code="media_host_not_allowed")
+                        f"{kind} host {host!r} resolves to a non-public address ({ip}); "
+                        "refused", param=f"{kind}_url", code="media_host_not_allowed")
         return str(ips[0])
 
-    async def _fetch_http(self, url: str) -> bytes:
-        timeout = self.config.media_fetch_timeout_s
+    async def _fetch_http(self, url: str, kind: str = "image") -> bytes:
+        name, timeout = self._fetch_timeout(kind)
         try:
-            return await asyncio.wait_for(self._follow(url), timeout)
+            return await asyncio.wait_for(self._follow(url, kind), timeout)
         except asyncio.TimeoutError:
-            message = f"fetching the image took longer than media_fetch_timeout_s={timeout:g}"
+            message = f"fetching the {kind} took longer than {name}={timeout:g}"
         except httpx.HTTPError as e:  # the text names the part (e.g. a malformed location)
-            message = f"fetching the image failed: {type(e).__name__}: {str(e)[:200]}"
-        raise BadRequest(message, param="image_url", code="media_fetch_failed")
+            message = f"fetching the {kind} failed: {type(e).__name__}: {str(e)[:200]}"
+        raise BadRequest(message, param=f"{kind}_url", code="media_fetch_failed")
 
-    async def _follow(self, url: str) -> bytes:
+    async def _follow(self, url: str, kind: str = "image") -> bytes:
         for hop in range(MAX_REDIRECTS + 1):
-            target = parse_http_url(url, "image URL redirect" if hop else "image URL")
-            self._check_host(target.host)
+            target = parse_http_url(url, f"{kind} URL redirect" if hop else f"{kind} URL")
+            self._check_host(target.host, kind)
             port = target.port or (443 if target.scheme == "https" else 80)
-            ip = await self._resolve(target.host, port)
+            ip = await self._resolve(target.host, port, kind)
             headers = {"Host": target.netloc.decode("ascii"), "Accept-Encoding": "identity",
-                       "Accept": "image/*"}
+                       "Accept": f"{kind}/*"}
             extensions = {"sni_hostname": target.host} if target.scheme == "https" else {}
             request = self._client().build_request("GET", target.copy_with(host=ip),
                                                    headers=headers, extensions=extensions)
@@ -400,35 +437,34 @@ class MediaLoader:
                 if response.is_redirect:
                     location = response.headers.get("location")
                     if not location:
-                        raise BadRequest("image URL redirect has no location",
-                                              param="image_url")
+                        raise BadRequest(f"{kind} URL redirect has no location",
+                                         param=f"{kind}_url")
                     url = urljoin(url, location)
                     continue
-                return await self._read_body(response)
+                return await self._read_body(response, kind)
             finally:
                 await response.aclose()
-        raise BadRequest(f"image URL redirected more than {MAX_REDIRECTS} times",
-                              param="image_url")
+        raise BadRequest(f"{kind} URL redirected more than {MAX_REDIRECTS} times",
+                         param=f"{kind}_url")
 
-    async def _read_body(self, response: httpx.Response) -> bytes:
-        max_bytes = self.config.max_image_bytes
+    async def _read_body(self, response: httpx.Response, kind: str = "image") -> bytes:
+        max_bytes = self._max_bytes(kind)
+        param = f"{kind}_url"
         if response.status_code != 200:
-            raise BadRequest(f"image URL answered HTTP {response.status_code}",
-                                  param="image_url", code="media_fetch_failed")
+            raise BadRequest(f"{kind} URL answered HTTP {response.status_code}",
+                             param=param, code="media_fetch_failed")
         encoding = response.headers.get("content-encoding", "identity").lower()
         if encoding not in ("identity", ""):
-            raise BadRequest(f"image URL sent content-encoding {encoding!r}",
-                                  param="image_url", code="media_fetch_failed")
+            raise BadRequest(f"{kind} URL sent content-encoding {encoding!r}",
+                             param=param, code="media_fetch_failed")
         declared = response.headers.get("content-length")
-        too_large = PayloadTooLarge(f"image is larger than max_image_bytes={max_bytes} bytes",
-                                         param="image_url", code="image_too_large")
         if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-            raise too_large
+            raise too_large(kind, max_bytes)
         chunks: list[bytes] = []
         total = 0
         async for chunk in response.aiter_raw():
             total += len(chunk)
             if total > max_bytes:
-                raise too_large
+                raise too_large(kind, max_bytes)
             chunks.append(chunk)
         return b"".join(chunks)

@@ -23,8 +23,9 @@ from tokenizers import Tokenizer
 
 from api_proc.detokenizer import TokenDecoder
 from api_proc.errors import BadRequest
-from api_proc.protocol import ChatMessage, TextPart
+from api_proc.protocol import ChatMessage, ImageURLPart, TextPart
 from shared.model_config import ModelConfig, load_model_config
+from shared.video_layout import VideoLayout
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +69,9 @@ def _token_text(value) -> str | None:
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict]:
-    """Protocol messages as the chat template sees them: image parts become bare
-    `{"type": "image"}` markers, so no URL or base64 data ever reaches the template; a tool
+    """Protocol messages as the chat template sees them: image and video parts become bare
+    `{"type": "image"}` / `{"type": "video"}` markers, so no URL or base64 data ever reaches
+    the template; a tool
     call's arguments become the object they encode, as templates (and transformers) expect."""
     out = []
     for m in messages:
@@ -77,7 +79,8 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
             content: str | list[dict] = m.content or ""
         else:
             content = [{"type": "text", "text": p.text} if isinstance(p, TextPart)
-                       else {"type": "image"} for p in m.content]
+                       else {"type": "image"} if isinstance(p, ImageURLPart)
+                       else {"type": "video"} for p in m.content]
         msg = {"role": m.role, "content": content}
         if m.name:
             msg["name"] = m.name
@@ -146,6 +149,8 @@ class PromptBuilder:
         self._decoder_with_specials: TokenDecoder | None = None
         self.image_token_id = model_config.image_token_id
         self.video_token_id = model_config.video_token_id
+        self.vision_start_token_id = model_config.vision_start_token_id
+        self.vision_end_token_id = model_config.vision_end_token_id
         self.merge_size = model_config.image.merge_size
         self.vocab_size = max(model_config.text.vocab_size, self.tokenizer.get_vocab_size())
         self.num_logits = model_config.text.vocab_size  # the ids a model can score
@@ -230,14 +235,50 @@ class PromptBuilder:
 
     def build_chat(self, messages: list[dict], image_grids: list[tuple[int, int, int]],
                    tools: list[dict] | None = None,
-                   template_kwargs: dict | None = None) -> list[int]:
-        """Token ids of the templated conversation with each image's placeholder expanded."""
+                   template_kwargs: dict | None = None,
+                   videos: list[VideoLayout] = ()) -> list[int]:
+        """Token ids of the templated conversation with each image's and video's
+        placeholder expanded."""
         text = self.render_chat(messages, tools=tools, template_kwargs=template_kwargs)
-        return self.prompt_ids(text, image_grids)
+        return self.prompt_ids(text, image_grids, videos)
 
-    def prompt_ids(self, text: str, image_grids: list[tuple[int, int, int]]) -> list[int]:
-        """Token ids of a rendered conversation with each image's placeholder expanded."""
-        return self.expand_image_tokens(self.encode(text), image_grids)
+    def prompt_ids(self, text: str, image_grids: list[tuple[int, int, int]],
+                   videos: list[VideoLayout] = ()) -> list[int]:
+        """Token ids of a rendered conversation with each image's and video's placeholder
+        expanded."""
+        ids = self.expand_image_tokens(self.encode(text), image_grids, allow_video=bool(videos))
+        return self.expand_video_tokens(ids, videos) if videos else ids
+
+    def video_tokens(self, layout: VideoLayout) -> list[int]:
+        """What one `<|video_pad|>` becomes: Qwen2/2.5-VL, a run of placeholders for all
+        groups; with timestamps (Qwen3-VL, Qwen3.5), per group its `<t seconds>` text and
+        its own vision_start, placeholders, vision_end (inside the template's own pair, as
+        transformers 5 writes it). Timestamp text sits between special tokens, so it is
+        tokenized alone exactly as in the whole text."""
+        if not layout.timestamps:
+            return [self.video_token_id] * layout.num_tokens
+        out: list[int] = []
+        run = [self.vision_start_token_id, *[self.video_token_id] * layout.group_tokens,
+               self.vision_end_token_id]
+        for stamp in layout.timestamps:
+            out.extend(self.tokenizer.encode(stamp, add_special_tokens=False).ids)
+            out.extend(run)
+        return out
+
+    def expand_video_tokens(self, ids: list[int], videos: list[VideoLayout]) -> list[int]:
+        positions = [i for i, t in enumerate(ids) if t == self.video_token_id]
+        if len(positions) != len(videos):
+            raise BadRequest(f"the prompt has {len(positions)} video placeholders for "
+                             f"{len(videos)} videos (is the placeholder token in the text?)",
+                             param="messages")
+        out: list[int] = []
+        start = 0
+        for pos, layout in zip(positions, videos, strict=True):
+            out.extend(ids[start:pos])
+            out.extend(self.video_tokens(layout))
+            start = pos + 1
+        out.extend(ids[start:])
+        return out
 
     def build_completion(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -250,10 +291,11 @@ class PromptBuilder:
                                  f"{self.num_logits})", param="prompt")
         return self.expand_image_tokens(ids, [])
 
-    def expand_image_tokens(self, ids: list[int], image_grids: list[tuple[int, int, int]]) -> list[int]:
-        if self.video_token_id in ids:
-            raise BadRequest("the prompt contains the video placeholder token; video "
-                                  "input is not supported", param="messages")
+    def expand_image_tokens(self, ids: list[int], image_grids: list[tuple[int, int, int]],
+                            allow_video: bool = False) -> list[int]:
+        if not allow_video and self.video_token_id in ids:
+            raise BadRequest("the prompt text contains the video placeholder token but the "
+                             "request has no videos", param="messages")
         if not image_grids:  # text-only fast path
             if self.image_token_id in ids:
                 raise BadRequest("the prompt text contains the image placeholder token "

@@ -84,8 +84,26 @@ class ImageURLPart(_MessageItem):
         return self
 
 
+class VideoURL(_Request):
+    url: str = Field(min_length=1)
+
+
+class VideoURLPart(_Request):
+    """vLLM's video part: data:video/*;base64 (a container), data:video/jpeg;base64 with
+    comma-separated JPEG frames (a frame list), http(s):// or file://. vLLM's `uuid` beside
+    it (a client-chosen cache key, shared across users) is refused by name."""
+
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+    @field_validator("video_url", mode="before")
+    @classmethod
+    def _bare_url(cls, v):
+        return {"url": v} if isinstance(v, str) else v
+
+
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
-ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
+ContentPart = Annotated[TextPart | ImageURLPart | VideoURLPart, Field(discriminator="type")]
 
 
 class FunctionCall(_MessageItem):
@@ -432,6 +450,8 @@ class ChatPromptFields(_Request):
     continue_final_message: bool = False
     # vLLM extension: extra variables of the chat template (enable_thinking, ...)
     chat_template_kwargs: dict[str, JsonValue] | None = None
+    # vLLM extension: {"video": {"num_frames": N, "fps": F}} over --media-io-kwargs
+    media_io_kwargs: dict[str, JsonValue] | None = None
 
     @field_validator("chat_template_kwargs")
     @classmethod

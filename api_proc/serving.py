@@ -30,7 +30,7 @@ import pydantic
 from api_proc.admission import AdmissionController, Reservation
 from api_proc.beam_search import BeamSearch, FinishedStream
 from api_proc.chat_output import ChatOutputParser
-from api_proc.config import ApiConfig
+from api_proc.config import ApiConfig, check_media_io_kwargs
 from api_proc.detokenizer import IncrementalDetokenizer, NoDetokenizer
 from api_proc.engine_client import EngineClient, RequestStream
 from api_proc.errors import (
@@ -52,15 +52,19 @@ from api_proc.protocol import (
     ImageURLPart,
     TextPart,
     UsageInfo,
+    VideoURLPart,
 )
 from api_proc.reasoning_parser import REASONING, ReasoningParser, start_mode
 from api_proc.request_body import RequestBody
 from api_proc.tool_grammar import tool_call_constraint
 from api_proc.tool_parser import ToolCallParser, read_cut_hermes_call, read_hermes_call
 from api_proc.unknown_keys import note_unknown_keys
+from api_proc.video_loader import EncodedVideo, VideoLoader, VideoSampling
 from api_proc.xml_tool_call import XmlCallReader, parameter_types
 from shared.messages import AddRequest, ImageInput
+from shared.model_config import load_model_config
 from shared.sampling_params import SamplingParams
+from shared.video_layout import VideoSettings
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -155,6 +159,8 @@ class Serving:
         self.engines = engines
         self.metrics = metrics
         self.defaults = config.default_sampling()  # --generation-config
+        settings = VideoSettings.of(load_model_config(config.model), loader.image_config)
+        self.videos = VideoLoader(loader, settings)
 
     # ------------------------------------------------------------------ preparing
 
@@ -344,10 +350,9 @@ class Serving:
         if not refs:
             body.release()  # parsed: no image will need the body's bytes
 
-        encoded = await _settle([self.loader.fetch(ref) for ref in refs])
+        encoded = await self.fetch_media(refs, spec.video_sampling)
         refs = None
-        grids = [e.grid_thw for e in encoded]
-        prompt_ids, prompt_end = await self.chat_prompt_ids(spec, grids)
+        prompt_ids, prompt_end = await self.chat_prompt_ids(spec, *media_layouts(encoded))
         parser = self.config.reasoning_parser
         start = parser and start_mode(parser, prompt_end, spec.template_kwargs,
                                       settings.constrained)
@@ -402,35 +407,76 @@ class Serving:
     def chat_prompt_spec(self, req: ChatPromptFields) -> tuple[ChatPromptSpec, list[MediaRef]]:
         """What renders a request's chat prompt, and its images to fetch."""
         note_unknown_keys(req.messages, self.metrics.count_unknown_key)
-        refs = [MediaRef(part.image_url.url) for m in req.messages if isinstance(m.content, list)
-                for part in m.content if isinstance(part, ImageURLPart)]
-        if len(refs) > self.config.limit_mm_per_prompt:
-            raise BadRequest(f"the request has {len(refs)} images; at most "
-                                  f"limit_mm_per_prompt={self.config.limit_mm_per_prompt}",
-                                  param="messages", code="too_many_images")
+        refs = [MediaRef(part.image_url.url) if isinstance(part, ImageURLPart)
+                else MediaRef(part.video_url.url, "video")
+                for m in req.messages if isinstance(m.content, list)
+                for part in m.content if isinstance(part, ImageURLPart | VideoURLPart)]
+        self._check_media_counts(refs)
+        video_sampling = self._video_sampling(req.media_io_kwargs)
         messages = template_messages(req.messages)
         num_chars = text_chars(messages)
         self.builder.check_prompt_chars(num_chars, "messages")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         template_kwargs = {**self.config.template_defaults, **(req.chat_template_kwargs or {})}
         return ChatPromptSpec(messages, tools, template_kwargs, req.add_generation_prompt,
-                              req.continue_final_message, num_chars), refs
+                              req.continue_final_message, num_chars, video_sampling), refs
 
-    async def chat_prompt_ids(self, spec: ChatPromptSpec,
-                              grids: list[tuple[int, int, int]]) -> tuple[list[int], str]:
-        """The prompt's token ids (images expanded), and the end of its text (where
-        thinking may be open); long prompts are built off the event loop."""
-        build = functools.partial(self._chat_prompt, spec, grids)
+    async def fetch_media(self, refs: list[MediaRef], video_sampling: VideoSampling
+                          ) -> list[EncodedImage | EncodedVideo]:
+        """Each image's and video's bytes and size (headers read, nothing decoded)."""
+        return await _settle([self.loader.fetch(ref) if ref.kind == "image"
+                              else self.videos.fetch(ref, video_sampling) for ref in refs])
+
+    async def chat_prompt_ids(self, spec: ChatPromptSpec, grids: list[tuple[int, int, int]],
+                              videos: list) -> tuple[list[int], str]:
+        """The prompt's token ids (images of `grids` and videos of layouts `videos`
+        expanded), and the end of its text (where thinking may be open); long prompts are
+        built off the event loop."""
+        build = functools.partial(self._chat_prompt, spec, grids, videos)
         if spec.num_chars > LONG_TEXT_CHARS:
             return await asyncio.to_thread(build)
         return build()
 
-    def _chat_prompt(self, spec: ChatPromptSpec,
-                     grids: list[tuple[int, int, int]]) -> tuple[list[int], str]:
+    def _chat_prompt(self, spec: ChatPromptSpec, grids: list[tuple[int, int, int]],
+                     videos: list) -> tuple[list[int], str]:
         text = self.builder.render_chat(
             spec.messages, spec.add_generation_prompt, spec.tools, spec.template_kwargs,
             spec.continue_final_message)
-        return self.builder.prompt_ids(text, grids), text[-64:]
+        return self.builder.prompt_ids(text, grids, videos), text[-64:]
+
+    def _check_media_counts(self, refs: list[MediaRef]) -> None:
+        """--limit-mm-per-prompt, per modality (the image limit is named as the flag's
+        plain count, the video limit by its JSON key)."""
+        for kind, limit, name in (
+                ("image", self.config.max_images_per_prompt, "limit_mm_per_prompt"),
+                ("video", self.config.max_videos_per_prompt, "limit_mm_per_prompt video")):
+            count = sum(ref.kind == kind for ref in refs)
+            if count > limit:
+                raise BadRequest(f"the request has {count} {kind}s; at most {name}={limit}",
+                                 param="messages", code=f"too_many_{kind}s")
+
+    def _video_sampling(self, request_kwargs: dict | None) -> VideoSampling:
+        """The server's --media-io-kwargs, or the request's video settings instead: fps it
+        leaves out is none (as vLLM's merge drops it), num_frames it leaves out the
+        server's (vLLM: 32); at most max_video_frames."""
+        num_frames, fps = self.config.video_num_frames, self.config.video_fps
+        if request_kwargs is not None:
+            try:
+                video = check_media_io_kwargs(request_kwargs).get("video")
+            except ValueError as e:
+                message = str(e)
+            else:
+                message = None
+            if message is not None:
+                raise BadRequest(message, param="media_io_kwargs")
+            if video:
+                num_frames = video.get("num_frames", self.config.video_num_frames)
+                fps = video.get("fps")
+        if num_frames > self.config.max_video_frames:
+            raise BadRequest(f"media_io_kwargs asks for {num_frames} frames a video; at most "
+                             f"max_video_frames={self.config.max_video_frames}",
+                             param="media_io_kwargs", code="video_too_large")
+        return VideoSampling(num_frames, fps)
 
     async def prepare_completion(self, body: RequestBody, arrival: float) -> Prepared:
         req = parse_body(CompletionRequest, body.take())
@@ -547,7 +593,7 @@ class Serving:
                 reservation = await self.admission.exchange(held, need)
             else:
                 reservation = await self.admission.acquire(need)
-            if any(c.holds_image(e.key) for c in self.engines.engines for e in encoded):
+            if any(e.held_by(c) for c in self.engines.engines for e in encoded):
                 # before decoding takes the bytes; held by this call until it has submitted
                 kept = KeptImages([dataclasses.replace(e) for e in encoded],
                                   reservation.split(sum(e.nbytes for e in encoded)))
@@ -559,7 +605,7 @@ class Serving:
                 images: list[ImageInput | None] = [None] * len(encoded)  # decoded when needed
                 for i, (ids, params) in enumerate(zip(prompt_ids, sampling, strict=True)):
                     engine = self.engines.pick()
-                    skip = [kept is not None and engine.holds_image(e.key) for e in encoded]
+                    skip = [kept is not None and e.held_by(engine) for e in encoded]
                     todo = [j for j, s in enumerate(skip) if not s and images[j] is None]
                     if todo:
                         decoded = await self._decode([encoded[j] for j in todo], reservation,
@@ -567,8 +613,9 @@ class Serving:
                         for j, image in zip(todo, decoded, strict=True):
                             images[j] = image
                         decoded = None
-                    inputs = [ImageInput(None, e.grid_thw, e.key) if s else images[j]
-                              for j, (e, s) in enumerate(zip(encoded, skip, strict=True))]
+                    inputs = _flatten([e.without_pixels() if s else images[j]
+                                       for j, (e, s) in enumerate(zip(encoded, skip,
+                                                                      strict=True))])
                     self._count_skipped(encoded, skip)
                     share = None
                     if reservation is not None:
@@ -607,7 +654,7 @@ class Serving:
         self.metrics.image_resubmits.inc()
         reservation = await self.admission.acquire(sum(e.need_bytes for e in encoded))
         try:
-            images = await self._decode(encoded, reservation)
+            images = _flatten(await self._decode(encoded, reservation))
             encoded = None
             share = reservation.split(sum(im.nbytes for im in images))
             return self.engines.submit(AddRequest(
@@ -616,11 +663,15 @@ class Serving:
         finally:
             reservation.release()
 
-    async def _decode(self, encoded: list[EncodedImage], reservation: Reservation,
-                      bytes_kept: bool = False) -> list[ImageInput]:
-        """`bytes_kept`: KeptImages holds the encoded bytes (and their budget) on."""
-        async def one(image: EncodedImage) -> ImageInput:
-            result = await self.loader.decode(image)
+    async def _decode(self, encoded: list[EncodedImage | EncodedVideo], reservation: Reservation,
+                      bytes_kept: bool = False) -> list[ImageInput | list[ImageInput]]:
+        """An ImageInput per image, a list of them (one per temporal group) per video.
+        `bytes_kept`: KeptImages holds the encoded bytes (and their budget) on."""
+        async def one(image: EncodedImage | EncodedVideo) -> ImageInput | list[ImageInput]:
+            if isinstance(image, EncodedVideo):
+                result = await self.videos.decode(image)
+            else:
+                result = await self.loader.decode(image)
             done = image.need_bytes - image.resized_bytes  # decoding is over
             reservation.release(done - image.nbytes if bytes_kept else done)
             return result
@@ -640,6 +691,23 @@ def _named_cut(name: str, read_cut_call: Callable[[str], tuple[str, str]],
     return name, read_cut_call(body)[1]
 
 
+def media_layouts(media: list[EncodedImage | EncodedVideo]) -> tuple[list, list]:
+    """(each image's patch grid, each video's layout): what a prompt's placeholders need."""
+    return ([e.grid_thw for e in media if isinstance(e, EncodedImage)],
+            [e.layout for e in media if isinstance(e, EncodedVideo)])
+
+
+def _flatten(inputs: list[ImageInput | list[ImageInput]]) -> list[ImageInput]:
+    """What an AddRequest carries: each image, and each video's groups in order."""
+    out: list[ImageInput] = []
+    for item in inputs:
+        if isinstance(item, list):
+            out.extend(item)
+        else:
+            out.append(item)
+    return out
+
+
 def _retrieve(fut: asyncio.Future) -> None:
     """Mark a future's exception as seen (its request is gone; the error is moot)."""
     if not fut.cancelled():
@@ -656,6 +724,7 @@ class ChatPromptSpec:
     add_generation_prompt: bool
     continue_final_message: bool
     num_chars: int  # of the messages' text
+    video_sampling: VideoSampling
 
 
 def _conversation_request(batch: BatchChatCompletionRequest, conversations: list,

@@ -1,26 +1,24 @@
 """vLLM's POST /tokenize and POST /detokenize: a prompt or a conversation as the token ids
 the engine would get (a conversation's image placeholders expanded to each image's token
-count, as vLLM expands them), and token ids back to text. Images are fetched and their
-headers read to size them; their pixels are never decoded."""
+count, as vLLM expands them), and token ids back to text. Images and videos are fetched
+and their headers read to size them; their pixels are never decoded."""
 
 from __future__ import annotations
 
 from api_proc.errors import BadRequest
-from api_proc.media_loader import MediaLoader
 from api_proc.protocol import (
     DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
 from api_proc.request_body import RequestBody, body_keys
-from api_proc.serving import Serving, parse_body
+from api_proc.serving import Serving, media_layouts, parse_body
 
 
 class Tokenization:
-    def __init__(self, serving: Serving, loader: MediaLoader) -> None:
+    def __init__(self, serving: Serving) -> None:
         self.serving = serving
         self.builder = serving.builder
-        self.loader = loader
 
     async def tokenize(self, body: RequestBody) -> dict:
         data = body.take()
@@ -35,10 +33,13 @@ class Tokenization:
             spec, refs = self.serving.chat_prompt_spec(req)
             add_special, want_strs = req.add_special_tokens, req.return_token_strs
             req = None  # R1
-            grids = []
-            for ref in refs:  # one at a time: only its header is needed
-                grids.append((await self.loader.fetch(ref)).grid_thw)
-            ids, _ = await self.serving.chat_prompt_ids(spec, grids)
+            grids, videos = [], []
+            for ref in refs:  # one at a time: only its header (its size) is kept
+                image_grids, video_layouts = media_layouts(
+                    await self.serving.fetch_media([ref], spec.video_sampling))
+                grids += image_grids
+                videos += video_layouts
+            ids, _ = await self.serving.chat_prompt_ids(spec, grids, videos)
             if add_special:
                 ids = self._with_special_tokens(ids)
         else:

@@ -39,27 +39,38 @@ def _check_pixels(
     t, gh, gw = (int(v) for v in grid_thw)
     p = cfg.patch_size
     if t != 1:
-        raise ValueError(f"an image has grid_t 1, got {t}")
-    if pixels.dtype != torch.uint8 or tuple(pixels.shape) != (gh * p, gw * p, 3):
+        raise ValueError(f"an image (or a video's temporal group) has grid_t 1, got {t}")
+    frames_ok = pixels.dim() == 3 or (
+        pixels.dim() == 4 and 1 <= pixels.shape[0] <= cfg.temporal_patch_size)
+    if pixels.dtype != torch.uint8 or not frames_ok or tuple(pixels.shape[-3:]) != (gh * p, gw * p, 3):
         raise ValueError(
-            f"expected uint8 pixels of shape {(gh * p, gw * p, 3)} for grid {grid_thw}, "
-            f"got {pixels.dtype} {tuple(pixels.shape)}"
+            f"expected uint8 pixels of shape {(gh * p, gw * p, 3)} (or [frames, ...] of a "
+            f"video group) for grid {grid_thw}, got {pixels.dtype} {tuple(pixels.shape)}"
         )
 
 
 def pixels_to_patches(
     pixels: torch.Tensor, grid_thw: tuple[int, int, int], cfg: ImageProcessorConfig
 ) -> torch.Tensor:
-    """pixels uint8 [H, W, 3] (H = grid_h * patch, W = grid_w * patch) -> float32
-    [grid_t * grid_h * grid_w, 3 * temporal_patch * patch * patch], on pixels' device."""
+    """pixels uint8 [H, W, 3] (H = grid_h * patch, W = grid_w * patch), or a video's
+    temporal group [frames, H, W, 3] -> float32 [grid_h * grid_w, 3 * temporal_patch *
+    patch * patch], on pixels' device. An image (or a group of one frame: a video's odd
+    last frame) fills the temporal patch with copies of itself; a group of temporal_patch
+    frames fills it with its frames, in order (transformers' video patchify)."""
     _check_pixels(pixels, grid_thw, cfg)
     _, gh, gw = (int(v) for v in grid_thw)
     p, m, tp = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
+    if pixels.dim() == 4 and pixels.shape[0] == 1:
+        pixels = pixels[0]
     table = normalize_table(cfg, pixels.device)
     index = pixels.to(torch.int32)  # int32, not int64: half the bytes of the biggest temporary
     index += torch.arange(0, 3 * 256, 256, dtype=torch.int32, device=pixels.device)
-    values = table[index]  # [H, W, 3]
+    values = table[index]  # [H, W, 3] or [T, H, W, 3]
     del index
+    if values.dim() == 4:
+        # (T, gh/m, m, p, gw/m, m, p, C) -> (gh/m, gw/m, m, m, C, T, p, p)
+        patches = values.view(tp, gh // m, m, p, gw // m, m, p, 3).permute(1, 4, 2, 5, 7, 0, 3, 6)
+        return patches.reshape(gh * gw, 3 * tp * p * p)
     # (gh/m, m, p, gw/m, m, p, C) -> (gh/m, gw/m, m, m, C, [temporal], p, p)
     patches = values.view(gh // m, m, p, gw // m, m, p, 3).permute(0, 3, 1, 4, 6, 2, 5)
     patches = patches.unsqueeze(5).expand(gh // m, gw // m, m, m, 3, tp, p, p)
@@ -84,6 +95,8 @@ def pixels_to_patch_chunks(
     _check_pixels(pixels, grid_thw, cfg)
     band = max(1, max_patches // (gw * m))  # merge-unit rows per piece
     rows = m * p  # pixel rows per merge-unit row
+    axis = pixels.dim() - 3  # the pixel rows' axis
     for start in range(0, gh // m, band):
         end = min(gh // m, start + band)
-        yield pixels_to_patches(pixels[start * rows : end * rows], (t, (end - start) * m, gw), cfg)
+        piece = pixels.narrow(axis, start * rows, (end - start) * rows)
+        yield pixels_to_patches(piece, (t, (end - start) * m, gw), cfg)

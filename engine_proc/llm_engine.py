@@ -21,7 +21,7 @@ import numpy as np
 
 from engine_proc.encoder_cache import EncoderCache, tensor_bytes
 from engine_proc.model_runner import ModelRunner
-from engine_proc.models.mrope import compute_mrope_positions
+from engine_proc.models.mrope import VisionSpan, vision_positions
 from engine_proc.scheduler import RequestRejected, ScheduledBatch, Scheduler
 from engine_proc.sequence import ImageSpan, Sequence
 from engine_proc.structured_output import StructuredOutputs
@@ -396,77 +396,103 @@ class LLMEngine:
             raise RequestRejected(f"prompt has token ids outside the vocabulary [0, {vocab})")
         if any(t >= vocab for t, _ in request.sampling.logit_bias):
             raise RequestRejected(f"logit_bias names token ids outside the vocabulary [0, {vocab})")
-        if (token_ids == self.config.video_token_id).any():
-            raise RequestRejected("video inputs are not supported")
         images = self._image_spans(token_ids, request.images)
         seq = Sequence(request.request_id, token_ids.tolist(), request.sampling, images)
         if images:
             # computed once per sequence; chunks and decodes slice it or add mrope_delta
+            spans = [VisionSpan(image.offset, image.grid_thw, image.temporal_pos, image.video)
+                     for image in images]
             try:
-                positions, delta = compute_mrope_positions(
-                    token_ids,
-                    [image.grid_thw for image in images],
-                    self.config.image_token_id,
-                    self.config.vision_start_token_id,
-                    self.config.vision.spatial_merge_size,
-                )
+                positions, delta = vision_positions(
+                    len(token_ids), spans, self.config.vision.spatial_merge_size)
             except ValueError as exc:
                 raise RequestRejected(f"bad image placement in prompt: {exc}") from None
+            if positions.max() >= self.config.text.max_position_embeddings:
+                raise RequestRejected("the prompt's positions reach past the model's "
+                                      f"{self.config.text.max_position_embeddings}")
             seq.mrope_positions = np.ascontiguousarray(positions, dtype=np.int64)
             seq.mrope_delta = int(delta)
         return seq
 
     def _image_spans(self, token_ids: np.ndarray, images: list[ImageInput]) -> list[ImageSpan]:
-        """Match each image to its run of placeholder tokens, checking the geometry."""
-        placeholder = np.flatnonzero(token_ids == self.config.image_token_id)
+        """Match each image to its run of image placeholder tokens and each video group to
+        its run of video placeholder tokens (each kind in order), checking the geometry;
+        the spans in prompt order."""
+        spans = []
+        for video, token_id in ((False, self.config.image_token_id),
+                                (True, self.config.video_token_id)):
+            of_kind = [image for image in images if bool(image.video) == video]
+            spans.extend(self._spans_of_kind(token_ids, of_kind, token_id, video))
+        spans.sort(key=lambda span: span.offset)
+        return spans
+
+    def _spans_of_kind(self, token_ids: np.ndarray, images: list[ImageInput], token_id: int,
+                       video: bool) -> list[ImageSpan]:
+        what = "video group" if video else "image"
+        placeholder = np.flatnonzero(token_ids == token_id)
         if not images:
             if len(placeholder):
-                raise RequestRejected(f"prompt has {len(placeholder)} image tokens but no images")
+                raise RequestRejected(f"prompt has {len(placeholder)} {what} tokens but no "
+                                      f"{what}s")
             return []
         patch = self.config.vision.patch_size
         merge = self.config.vision.spatial_merge_size
+        temporal = self.config.vision.temporal_patch_size
         spans = []
         cursor = 0
         for i, image in enumerate(images):
             pixels = image.pixels
             if pixels is None:
-                spans.append(self._cached_span(i, image, placeholder, cursor))
+                spans.append(self._cached_span(i, image, placeholder, cursor, what))
                 cursor += spans[-1].length
                 continue
             if (
                 not isinstance(pixels, np.ndarray)
                 or pixels.dtype != np.uint8
-                or pixels.ndim != 3
-                or pixels.shape[2] != 3
+                or pixels.ndim != (4 if video else 3)
+                or (video and not 1 <= pixels.shape[0] <= temporal)
+                or pixels.shape[-1] != 3
             ):
-                raise RequestRejected(f"image {i}: pixels must be a uint8 array of shape (H, W, 3)")
+                shape = f"(1 to {temporal} frames, H, W, 3)" if video else "(H, W, 3)"
+                raise RequestRejected(f"{what} {i}: pixels must be a uint8 array of shape {shape}")
             t, h, w = (int(x) for x in image.grid_thw)
-            height, width = pixels.shape[:2]
+            height, width = pixels.shape[-3:-1]
             if t != 1 or h * patch != height or w * patch != width or h % merge or w % merge:
                 raise RequestRejected(
-                    f"image {i}: grid_thw {tuple(image.grid_thw)} does not match pixels {pixels.shape} "
+                    f"{what} {i}: grid_thw {tuple(image.grid_thw)} does not match pixels {pixels.shape} "
                     f"(patch {patch}, merge {merge})"
                 )
             length = h * w // (merge * merge)
             run = placeholder[cursor : cursor + length]
             if len(run) != length or run[-1] - run[0] != length - 1:
                 raise RequestRejected(
-                    f"image {i}: prompt lacks a run of {length} image tokens for it"
+                    f"{what} {i}: prompt lacks a run of {length} {what} tokens for it"
                 )
             # hashing the pixels costs ~1 ms per MB on the engine loop: only for the caches
             key = image.key or (pixels_key(pixels, (t, h, w)) if self._caches_on else b"")
-            span = ImageSpan(pixels, (t, h, w), int(run[0]), length, key)
+            span = ImageSpan(pixels, (t, h, w), int(run[0]), length, key, video,
+                             self._temporal_pos(i, image, video))
             self.encoder_cache.query(span)  # a hit drops the pixels at once
             spans.append(span)
             cursor += length
         if cursor != len(placeholder):
             raise RequestRejected(
-                f"prompt has {len(placeholder)} image tokens, its {len(images)} images need {cursor}"
+                f"prompt has {len(placeholder)} {what} tokens, its {len(images)} {what}s need "
+                f"{cursor}"
             )
         return spans
 
+    def _temporal_pos(self, i: int, image: ImageInput, video: bool) -> int:
+        try:
+            pos = int(image.temporal_pos)
+        except (TypeError, ValueError):
+            pos = -1
+        if pos < 0 or (pos and not video) or pos >= self.config.text.max_position_embeddings:
+            raise RequestRejected(f"image {i}: bad temporal_pos {image.temporal_pos!r}")
+        return pos
+
     def _cached_span(self, i: int, image: ImageInput, placeholder: np.ndarray,
-                     cursor: int) -> ImageSpan:
+                     cursor: int, what: str = "image") -> ImageSpan:
         """An image sent without pixels: it must name a cached key with the same grid; the
         span takes the cached embeddings (its own reference: eviction cannot hurt it)."""
         key = image.key
@@ -483,7 +509,8 @@ class LLMEngine:
         run = placeholder[cursor : cursor + length]
         if len(run) != length or run[-1] - run[0] != length - 1:
             raise RequestRejected(f"image {i}: prompt lacks a run of {length} image tokens for it")
-        span = ImageSpan(None, (t, h, w), int(run[0]), length, key)
+        span = ImageSpan(None, (t, h, w), int(run[0]), length, key, bool(image.video),
+                         self._temporal_pos(i, image, bool(image.video)))
         if not self.encoder_cache.query(span):
             if key in self.encoder_cache:
                 raise RequestRejected(f"image {i}: grid_thw {(t, h, w)} does not match the "

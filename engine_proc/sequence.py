@@ -1,4 +1,5 @@
-"""One request's state inside the engine: tokens, KV blocks, progress and its images."""
+"""One request's state inside the engine: tokens, KV blocks, progress and its images (a
+video's temporal groups are images here: each its own span, encoded and freed alone)."""
 
 from __future__ import annotations
 
@@ -27,13 +28,17 @@ class ImageSpan:
     cached prefix (prefix caching) is released at admission, never encoded."""
 
     __slots__ = ("grid_thw", "offset", "length", "key", "pixels", "hidden", "stages_done",
-                 "embeds", "__weakref__")
+                 "embeds", "video", "temporal_pos", "__weakref__")
 
     def __init__(
         self, pixels: np.ndarray, grid_thw: tuple[int, int, int], offset: int, length: int,
-        key: bytes = b"",
+        key: bytes = b"", video: bool = False, temporal_pos: int = 0,
     ):
         self.key = key  # content key (shared/image_key.py): what caches look it up by
+        # a video's temporal group (pixels [frames, H, W, 3]): its mRoPE temporal position
+        # from its video's first token (shared/messages.py ImageInput)
+        self.video = video
+        self.temporal_pos = temporal_pos
         self.pixels: np.ndarray | None = pixels
         self.grid_thw = grid_thw
         self.offset = offset  # prompt index of the first placeholder token

@@ -9,7 +9,10 @@
 
 Images may be PIL images, uint8 numpy arrays (HxWx3, HxWx4 or HxW), file paths, encoded
 image bytes, or URLs (http(s)://, data:, file://, passed through). Arrays and PIL images are
-sent as PNG data URLs; files and bytes as data URLs of their own bytes. Server errors raise `APIError`
+sent as PNG data URLs; files and bytes as data URLs of their own bytes. Videos (`videos=`)
+may be file paths or bytes of a container (MP4, WebM, MKV...), URLs, or frames: a uint8
+array [frames, H, W, 3] or a list of images, sent as vLLM's frame list of JPEGs (the server
+takes them at 1 frame a second unless media_io_kwargs says otherwise). Server errors raise `APIError`
 subclasses carrying `.status`, `.type`, `.code` and `.message`.
 """
 
@@ -176,6 +179,26 @@ def image_to_url(image: Any) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
+def video_to_url(video: Any) -> str:
+    """A video_url value for `video` (see the module docstring for what is accepted)."""
+    if isinstance(video, str) and video.startswith(URL_SCHEMES):
+        return video
+    if isinstance(video, (str, os.PathLike, bytes, bytearray)):
+        data = bytes(video) if isinstance(video, (bytes, bytearray)) else Path(video).read_bytes()
+        return "data:video/mp4;base64," + base64.b64encode(data).decode("ascii")
+    from PIL import Image
+
+    frames = []
+    for frame in video:  # an array [F, H, W, 3] iterates over its frames
+        image = frame if isinstance(frame, Image.Image) else _array_to_pil(frame)
+        buf = io.BytesIO()
+        image.convert("RGB").save(buf, "JPEG", quality=95)
+        frames.append(base64.b64encode(buf.getvalue()).decode("ascii"))
+    if not frames:
+        raise ValueError("a video needs at least one frame")
+    return "data:video/jpeg;base64," + ",".join(frames)
+
+
 def _array_to_pil(array: Any):
     import numpy as np
     from PIL import Image
@@ -203,9 +226,10 @@ def _sniff_mime(data: bytes) -> str:
 
 
 def build_messages(messages: Sequence[dict] | str | None, prompt: str | None,
-                   images: Sequence[Any] | None, system: str | None = None) -> list[dict]:
+                   images: Sequence[Any] | None, system: str | None = None,
+                   videos: Sequence[Any] | None = None) -> list[dict]:
     """OpenAI chat messages: `messages` as given (a str is one user message) or `prompt`;
-    `images` are added in front of the text of the last user message."""
+    `images`, then `videos`, are added in front of the text of the last user message."""
     if messages is None and prompt is None:
         raise ValueError("give messages or prompt")
     if messages is not None and prompt is not None:
@@ -217,11 +241,12 @@ def build_messages(messages: Sequence[dict] | str | None, prompt: str | None,
         out.append({"role": "user", "content": prompt})
     if system is not None:
         out.insert(0, {"role": "system", "content": system})
-    if images:
-        parts = [{"type": "image_url", "image_url": {"url": image_to_url(im)}} for im in images]
+    parts = [{"type": "image_url", "image_url": {"url": image_to_url(im)}} for im in images or ()]
+    parts += [{"type": "video_url", "video_url": {"url": video_to_url(v)}} for v in videos or ()]
+    if parts:
         users = [i for i, m in enumerate(out) if m.get("role") == "user"]
         if not users:
-            raise ValueError("images need a user message to go with")
+            raise ValueError("images and videos need a user message to go with")
         last = out[users[-1]]
         content = last.get("content")
         text = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
@@ -229,8 +254,9 @@ def build_messages(messages: Sequence[dict] | str | None, prompt: str | None,
     return out
 
 
-def _chat_body(messages, prompt, images, system, model, stream: bool, options: dict) -> dict:
-    body = {"messages": build_messages(messages, prompt, images, system)}
+def _chat_body(messages, prompt, images, system, model, stream: bool, options: dict,
+               videos=None) -> dict:
+    body = {"messages": build_messages(messages, prompt, images, system, videos)}
     if model is not None:
         body["model"] = model
     body.update({k: v for k, v in options.items() if v is not None})
@@ -298,19 +324,21 @@ class Client(_Base):
         return response.json()
 
     def chat(self, messages: Sequence[dict] | str | None = None, *, prompt: str | None = None,
-             images: Sequence[Any] | None = None, system: str | None = None,
+             images: Sequence[Any] | None = None, videos: Sequence[Any] | None = None,
+             system: str | None = None,
              max_tokens: int | None = None, temperature: float | None = None,
              top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
              stop: str | list[str] | None = None, n: int | None = None,
              model: str | None = None) -> ChatResult:
         body = _chat_body(messages, prompt, images, system, model or self.model, False, dict(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-            seed=seed, stop=stop, n=n))
+            seed=seed, stop=stop, n=n), videos)
         return ChatResult.from_body(self._json("POST", "/v1/chat/completions", body))
 
     def stream_chat(self, messages: Sequence[dict] | str | None = None, *,
                     prompt: str | None = None, images: Sequence[Any] | None = None,
-                    system: str | None = None, max_tokens: int | None = None,
+                    videos: Sequence[Any] | None = None, system: str | None = None,
+                    max_tokens: int | None = None,
                     temperature: float | None = None, top_p: float | None = None,
                     top_k: int | None = None, seed: int | None = None,
                     stop: str | list[str] | None = None, model: str | None = None) -> Iterator[str]:
@@ -318,7 +346,7 @@ class Client(_Base):
         the connection, which aborts the request on the server."""
         body = _chat_body(messages, prompt, images, system, model or self.model, True, dict(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-            seed=seed, stop=stop))
+            seed=seed, stop=stop), videos)
         try:
             with self._http.stream("POST", self.base_url + "/v1/chat/completions", json=body,
                                    headers=self.headers) as response:
@@ -386,26 +414,28 @@ class AsyncClient(_Base):
 
     async def chat(self, messages: Sequence[dict] | str | None = None, *,
                    prompt: str | None = None, images: Sequence[Any] | None = None,
-                   system: str | None = None, max_tokens: int | None = None,
+                   videos: Sequence[Any] | None = None, system: str | None = None,
+                   max_tokens: int | None = None,
                    temperature: float | None = None, top_p: float | None = None,
                    top_k: int | None = None, seed: int | None = None,
                    stop: str | list[str] | None = None, n: int | None = None,
                    model: str | None = None) -> ChatResult:
         body = _chat_body(messages, prompt, images, system, model or self.model, False, dict(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-            seed=seed, stop=stop, n=n))
+            seed=seed, stop=stop, n=n), videos)
         return ChatResult.from_body(await self._json("POST", "/v1/chat/completions", body))
 
     async def stream_chat(self, messages: Sequence[dict] | str | None = None, *,
                           prompt: str | None = None, images: Sequence[Any] | None = None,
-                          system: str | None = None, max_tokens: int | None = None,
+                          videos: Sequence[Any] | None = None, system: str | None = None,
+                    max_tokens: int | None = None,
                           temperature: float | None = None, top_p: float | None = None,
                           top_k: int | None = None, seed: int | None = None,
                           stop: str | list[str] | None = None,
                           model: str | None = None) -> AsyncIterator[str]:
         body = _chat_body(messages, prompt, images, system, model or self.model, True, dict(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-            seed=seed, stop=stop))
+            seed=seed, stop=stop), videos)
         try:
             async with self._http.stream("POST", self.base_url + "/v1/chat/completions",
                                          json=body, headers=self.headers) as response:

@@ -35,3 +35,31 @@ def pixels_key(pixels: np.ndarray, grid_thw: tuple[int, int, int]) -> bytes:
     h.update(np.asarray(grid_thw, dtype=np.int64).tobytes())
     h.update(np.ascontiguousarray(pixels).data)
     return b"p" + h.digest()
+
+
+VIDEO_VERSION = 1  # bump when api_proc/video_loader.py turns the same bytes into other frames
+
+
+def video_key(data: bytes | list[bytes], settings, indices: list[int], fps: float) -> bytes:
+    """The key of a video's encoded bytes (a container, or a frame list's frames) as these
+    settings (shared/video_layout.py VideoSettings) sample and resize them: the decoder's
+    version too, since FFmpeg releases may convert YUV to RGB differently. Runs before
+    decoding."""
+    import av  # the API process's media pool only: the engine never loads PyAV
+
+    h = hashlib.blake2b(digest_size=DIGEST_SIZE, person=b"flatserve-vid")
+    h.update(repr((VIDEO_VERSION, av.__version__, settings, fps)).encode())
+    h.update(np.asarray(indices, dtype=np.int64).tobytes())
+    for part in data if isinstance(data, list) else [data]:
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return b"v" + h.digest()
+
+
+def group_key(key: bytes, group: int) -> bytes:
+    """The key of temporal group `group` of the video whose key is `key` (what the engine's
+    encoder cache holds: a long video is cached and evicted group by group)."""
+    h = hashlib.blake2b(digest_size=DIGEST_SIZE, person=b"flatserve-grp")
+    h.update(group.to_bytes(8, "little"))
+    h.update(key)
+    return b"g" + h.digest()

@@ -36,7 +36,8 @@ class ErrorCode(IntEnum):
 
 @dataclass
 class ImageInput:
-    """One resized image: uint8 pixels of shape (H, W, 3); H and W are multiples of
+    """One resized image (or one temporal group of a video, below): uint8 pixels of shape
+    (H, W, 3); H and W are multiples of
     patch_size * merge_size. grid_thw is (1, H // patch_size, W // patch_size).
     `key` names the image's content (shared/image_key.py); empty, the engine hashes the
     pixels itself. Caches key on it: same key, same embeddings.
@@ -46,6 +47,12 @@ class ImageInput:
     pixels: np.ndarray | None
     grid_thw: tuple[int, int, int]
     key: bytes = b""
+    # A video's temporal group (2 frames, the last one may have 1) is one of these too:
+    # pixels [frames, H, W, 3], grid_thw (1, h, w), its placeholders are video tokens, and
+    # `temporal_pos` is its mRoPE temporal position relative to the video's first token.
+    # Groups whose placeholder runs touch (Qwen2/2.5-VL) form one run of positions.
+    video: bool = False
+    temporal_pos: int = 0
 
     def __post_init__(self) -> None:
         self.grid_thw = tuple(self.grid_thw)

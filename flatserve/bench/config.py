@@ -15,14 +15,14 @@ from pathlib import Path
 from flatserve.soak.config import serve_command, split_passthrough
 from shared.config_args import opt
 
-WORKLOADS = ("text", "image", "mixed", "multi-turn")
+WORKLOADS = ("text", "image", "mixed", "multi-turn", "video")
 DEFAULT_CONCURRENCY = 8  # closed loop when neither --concurrency nor --request-rate is given
 MAX_DEFAULT_WARMUP = 8
 # what the JSON output records of the run's settings (never the API key)
 SETTINGS = ("workload", "num_requests", "warmup_requests", "prompt_len",
             "prompt_len_range", "output_len", "output_len_range", "image_size",
-            "images_per_request", "image_share", "turns", "temperature", "ignore_eos", "extra_body",
-            "concurrency", "request_rate", "seed", "rounds")
+            "images_per_request", "image_share", "turns", "video_frames", "temperature",
+            "ignore_eos", "extra_body", "concurrency", "request_rate", "seed", "rounds")
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,8 @@ class BenchConfig:
                                      "http://127.0.0.1:8000) instead of starting flatserve")
     model: str | None = opt(None, "model name (default: the first id from GET /v1/models)")
     api_key: str | None = opt(None, "API key sent as 'Authorization: Bearer KEY'")
-    workload: str = opt("text", "request mix: text, image (every request), mixed, or "
+    workload: str = opt("text", "request mix: text, image (every request), video (every "
+                                "request a distinct clip, --video-frames), mixed, or "
                                 "multi-turn (conversations of --turns requests, each turn "
                                 "re-sending the conversation's image and history)")
     prompt_len: int = opt(256, "prompt length of text requests, in words of a short-word list "
@@ -43,6 +44,8 @@ class BenchConfig:
     image_size: int = opt(448, "side of the square generated images, in pixels")
     images_per_request: int = opt(1, "images in each image request")
     image_share: float = opt(0.5, "share of requests with images in the mixed workload")
+    video_frames: int = opt(16, "frames of each generated clip in the video workload (H.264, "
+                                "4 fps, --image-size square; a distinct clip per request)")
     turns: int = opt(4, "turns of each multi-turn conversation, sent one after another")
     baseline_args: tuple[str, ...] = opt(
         (), "also run the same load against a server started with these arguments added "
@@ -113,7 +116,7 @@ class BenchConfig:
         if self.warmup_requests is None:
             warmup = min(self.concurrency or MAX_DEFAULT_WARMUP, MAX_DEFAULT_WARMUP)
             object.__setattr__(self, "warmup_requests", warmup)
-        for name in ("prompt_len", "output_len", "image_size", "num_requests"):
+        for name in ("prompt_len", "output_len", "image_size", "num_requests", "video_frames"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.turns < 1:
@@ -157,7 +160,7 @@ class BenchConfig:
     @property
     def image_probability(self) -> float:
         return {"text": 0.0, "image": 1.0, "mixed": self.image_share,
-                "multi-turn": 1.0}[self.workload]
+                "multi-turn": 1.0, "video": 1.0}[self.workload]
 
     @property
     def unit_size(self) -> int:
@@ -220,6 +223,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     add("--image-size", "image_size", type=int, metavar="PIXELS")
     add("--images-per-request", "images_per_request", type=int, metavar="N")
     add("--image-share", "image_share", type=float, metavar="F")
+    add("--video-frames", "video_frames", type=int, metavar="N")
     add("--turns", "turns", type=int, metavar="N")
     add("--baseline-args", "baseline_args", type=shlex.split, metavar="ARGS")
     add("--peer-url", "peer_url", metavar="URL")

@@ -16,12 +16,15 @@ def describe_load(settings: dict) -> str:
     workload = f"{s['workload']} workload"
     if s["workload"] == "multi-turn":
         workload += f" ({s['turns']} turns each)"
-    if s["workload"] != "image":
+    if s["workload"] not in ("image", "video"):
         length = f"prompt {s['prompt_len']} words"
         if s["prompt_len_range"]:
             length += f" ±{s['prompt_len_range']:.0%}"
         workload += ", " + length
-    if s["workload"] != "text":
+    if s["workload"] == "video":
+        workload += (f", with {s['images_per_request']}x {s.get('video_frames')}-frame "
+                     f"{s['image_size']}px video")
+    elif s["workload"] != "text":
         share = f"{s['image_share']:.0%} " if s["workload"] == "mixed" else ""
         workload += (f", {share}with {s['images_per_request']}x "
                      f"{s['image_size']}px image")

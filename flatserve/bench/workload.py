@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from flatserve.bench.config import BenchConfig
 from flatserve.soak.conversation import conversation_messages, words
 from flatserve.soak.images import ImagePool
+from flatserve.soak.videos import VideoPool
 
 
 @dataclass(frozen=True)
@@ -61,17 +62,19 @@ def _body(config: BenchConfig, model: str, messages: list[dict], max_tokens: int
     return json.dumps(body).encode()
 
 
-def build_body(config: BenchConfig, model: str, plan: RequestPlan, pool: ImagePool | None) -> bytes:
+def build_body(config: BenchConfig, model: str, plan: RequestPlan,
+               pool: ImagePool | VideoPool | None) -> bytes:
     if plan.num_images == 0:
         content: str | list = prompt_text(config.seed, plan.index, plan.prompt_len)
     else:
         assert pool is not None
         k = plan.num_images
-        # a distinct image per request and slot: no cache on the server can help
-        content = [{"type": "image_url",
-                    "image_url": {"url": pool.variant(plan.index * k + j).data_url()}}
+        kind = "video" if isinstance(pool, VideoPool) else "image"
+        # a distinct image (or clip) per request and slot: no cache on the server can help
+        content = [{"type": f"{kind}_url",
+                    f"{kind}_url": {"url": pool.variant(plan.index * k + j).data_url()}}
                    for j in range(k)]
-        content.append({"type": "text", "text": f"Request {plan.index}: describe the image."})
+        content.append({"type": "text", "text": f"Request {plan.index}: describe the {kind}."})
     return _body(config, model, [{"role": "user", "content": content}], plan.output_len)
 
 
@@ -100,6 +103,8 @@ def build_units(config: BenchConfig, model: str, units: range) -> list[list[byte
     plans = [] if multi_turn else [plan_request(config, i) for i in units]
     needs_images = multi_turn or any(p.num_images for p in plans)
     pool = ImagePool(config.image_size, seed=config.seed) if needs_images else None
+    if config.workload == "video":
+        pool = VideoPool(config.image_size, config.video_frames, seed=config.seed)
     bar = tqdm(units, desc="building requests", unit="unit", file=sys.stderr,
                disable=not config.progress, dynamic_ncols=True)
     if multi_turn:

@@ -25,7 +25,11 @@ class SoakConfig:
     duration_min: float | None = opt(None, "minutes to run (stops at --requests too, if given)")
     concurrency: int = opt(16, "requests in flight at once (also the connection pool size)")
     image_size: int = opt(448, "side of the square generated images, in pixels")
-    images_per_request: int = opt(1, "images in each image request")
+    images_per_request: int = opt(1, "images (or videos) in each multimodal request")
+    workload: str = opt("image", "what multimodal requests send: image, or video (a distinct "
+                                 "H.264 clip of --video-frames frames, --image-size square, "
+                                 "per request)", choices=("image", "video"))
+    video_frames: int = opt(16, "frames of each clip of the video workload (4 fps)")
     max_tokens: int = opt(32, "max_tokens of each request")
     stream: bool = opt(True, "stream responses (SSE)")
     disconnect_share: float = opt(0.1, "share of requests whose client disconnects mid-response")
@@ -73,7 +77,7 @@ class SoakConfig:
         if self.duration_min is not None and not self.duration_min > 0:
             raise ValueError(f"duration_min must be positive, got {self.duration_min}")
         for name in ("concurrency", "image_size", "max_tokens", "pool_size", "max_errors",
-                     "turns"):
+                     "turns", "video_frames"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("images_per_request", "uss_every", "idle_samples"):
@@ -182,6 +186,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     add("--concurrency", "concurrency", type=int)
     add("--image-size", "image_size", type=int, metavar="PIXELS")
     add("--images-per-request", "images_per_request", type=int)
+    add("--workload", "workload", choices=("image", "video"))
+    add("--video-frames", "video_frames", type=int)
     add("--max-tokens", "max_tokens", type=int)
     add("--stream", "stream", action=argparse.BooleanOptionalAction)
     add("--disconnect-share", "disconnect_share", type=float)

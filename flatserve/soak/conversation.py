@@ -34,10 +34,11 @@ def words(seed: object, count: int) -> str:
 
 
 def conversation_messages(image_urls: list[str], turn: int, user_text: Callable[[int], str],
-                          reply_text: Callable[[int], str]) -> list[dict]:
+                          reply_text: Callable[[int], str], kind: str = "image") -> list[dict]:
     """The OpenAI `messages` of turn `turn` (0-based): `user_text(t)` is the user's text of
-    turn t, `reply_text(t)` the assistant's answer to it."""
-    first = [{"type": "image_url", "image_url": {"url": url}} for url in image_urls]
+    turn t, `reply_text(t)` the assistant's answer to it; the URLs are images' or, with
+    `kind` "video", videos'."""
+    first = [{"type": f"{kind}_url", f"{kind}_url": {"url": url}} for url in image_urls]
     first.append({"type": "text", "text": user_text(0)})
     messages: list[dict] = [{"role": "user", "content": first if image_urls else user_text(0)}]
     for t in range(1, turn + 1):

@@ -15,6 +15,7 @@ import httpx
 from flatserve.soak.config import SoakConfig
 from flatserve.soak.conversation import conversation_messages, words
 from flatserve.soak.images import ImagePool
+from flatserve.soak.videos import VideoPool
 
 KEEP_ERRORS = 10  # error messages kept verbatim; the rest are only counted by kind
 POOL_TIMEOUT_S = 60.0
@@ -76,18 +77,20 @@ def plan_request(config: SoakConfig, index: int) -> RequestPlan:
     )
 
 
-def build_body(config: SoakConfig, model: str, pool: ImagePool, plan: RequestPlan) -> bytes:
+def build_body(config: SoakConfig, model: str, pool: ImagePool | VideoPool,
+               plan: RequestPlan) -> bytes:
     k, c = plan.num_images, plan.conversation
     urls = [pool.variant(c * k + j).data_url() for j in range(k)]
+    kind = "video" if isinstance(pool, VideoPool) else "image"
 
     def user_text(turn: int) -> str:
         if turn:
             return f"Request {c}.{turn}: and what else?"
-        task = "describe the images" if k else "write a short story about a lighthouse"
+        task = f"describe the {kind}s" if k else "write a short story about a lighthouse"
         return f"Request {c}: {task}."
 
     messages = conversation_messages(urls, plan.turn, user_text,
-                                     lambda turn: words(f"{config.seed}/{c}/{turn}", 24))
+                                     lambda turn: words(f"{config.seed}/{c}/{turn}", 24), kind)
     body = {
         "model": model,
         "messages": messages,
@@ -112,7 +115,7 @@ class LoadGenerator:
         config: SoakConfig,
         url: str,
         model: str,
-        pool: ImagePool,
+        pool: ImagePool | VideoPool,
         headers: dict[str, str] | None = None,
         on_finish: Callable[[LoadStats], None] | None = None,
         should_stop: Callable[[], str | None] | None = None,

@@ -96,6 +96,7 @@ def write_plot(path: Path, samples: list[Sample], summary: Summary) -> None:
     cfg = summary.config
     ax.set_title(f"RSS soak {verdict}: {summary.requests} requests, "
                  f"c={cfg.get('concurrency')}, {cfg.get('image_size')}px "
+                 f"{'video ' if cfg.get('workload') == 'video' else ''}"
                  f"x{cfg.get('images_per_request')}, max {summary.max_slope:g} MB/1k")
     ax.set_ylabel("RSS (MB)")
     ax.grid(True, alpha=0.3)

@@ -25,6 +25,7 @@ from flatserve.soak.server import (
     sigterm_as_interrupt,
 )
 from flatserve.soak.summary import Summary, format_table, summarize
+from flatserve.soak.videos import VideoPool
 
 
 class SoakError(RuntimeError):
@@ -130,6 +131,8 @@ def run_soak(config: SoakConfig, on_sample: Callable[[RssSampler], None] | None 
              + ", ".join(f"{t.role} (pid {t.pid})" for t in targets))
 
         pool = ImagePool(config.image_size, config.pool_size, config.seed)
+        if config.workload == "video":
+            pool = VideoPool(config.image_size, config.video_frames, seed=config.seed)
         progress = _ProgressBar(config)
         stack.callback(progress.close)
         load = LoadGenerator(config, url, model, pool, headers, on_finish=progress.update,

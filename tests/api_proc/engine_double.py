@@ -14,7 +14,8 @@ prompt text change its behaviour:
 
 The test drives it through the process's stdin and stdout, one line each way:
 
-    log        -> {"requests": [{"id", "num_prompt_tokens", "shapes", "grids",
+    log        -> {"requests": [{"id", "num_prompt_tokens", "shapes", "grids", "video",
+                                 "temporal_pos", "num_video_tokens",
                                  "max_tokens"}, ...],
                    "aborted": [ids named by an AbortRequests, in arrival order; those the
                                engine socket sends for an API process gone silent too],
@@ -64,6 +65,7 @@ class EngineDouble:
     def __init__(self, model_dir: str, server: EngineServer):
         self.tokenizer = Tokenizer.from_file(f"{model_dir}/tokenizer.json")
         self.eos = load_model_config(model_dir).eos_token_ids[0]
+        self.video_token_id = self.tokenizer.token_to_id("<|video_pad|>")
         self.special = set(self.tokenizer.get_added_tokens_decoder())
         self.server = server
         self.lock = threading.Lock()  # the busy loop's state, read by the control thread
@@ -108,6 +110,9 @@ class EngineDouble:
         self.requests.append({"id": rid, "num_prompt_tokens": len(ids),
                               "shapes": [list(im.pixels.shape) for im in request.images],
                               "grids": [list(im.grid_thw) for im in request.images],
+                              "video": [bool(im.video) for im in request.images],
+                              "temporal_pos": [im.temporal_pos for im in request.images],
+                              "num_video_tokens": ids.count(self.video_token_id),
                               "max_tokens": max_tokens})
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         if "[[refuse]]" in text:

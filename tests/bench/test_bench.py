@@ -384,3 +384,29 @@ def test_comparison_rows_are_ratios_in_the_better_direction():
     assert "no cache vs cache" in text
     row = next(line for line in text.splitlines() if line.startswith("TTFT p50 (ms)"))
     assert row.split()[-1] == "4.00x"  # 400 ms before, 100 ms now: 4x better
+
+
+def test_video_bodies_carry_a_distinct_clip_each():
+    config = parse_args(["--workload", "video", "--image-size", "32", "--video-frames", "4",
+                         "--num-requests", "3", "--no-progress"])
+    bodies = [json.loads(b) for [b] in build_units(config, "m", range(3))]
+    urls = [b["messages"][0]["content"][0]["video_url"]["url"] for b in bodies]
+    assert all(u.startswith("data:video/mp4;base64,") for u in urls)
+    assert len(set(urls)) == 3
+    assert bodies[0]["messages"][0]["content"][1]["text"] == "Request 0: describe the video."
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_video_workload_against_the_tiny_model(tmp_path):
+    path = tmp_path / "bench.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "flatserve.cli", "bench", "--num-requests", "4", "--output-len",
+         "4", "--concurrency", "2", "--workload", "video", "--image-size", "64",
+         "--video-frames", "4", "--no-progress", "--json", str(path),
+         "--server-log", str(tmp_path / "server.log"), "--", "--max-num-seqs", "8"],
+        capture_output=True, text=True, timeout=170)
+    assert run.returncode == 0, run.stdout + run.stderr
+    data = json.loads(path.read_text())
+    assert data["completed"] == 4 and data["errors"] == 0
+    assert "4-frame 64px video" in run.stdout

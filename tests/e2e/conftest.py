@@ -7,7 +7,11 @@ from tests.e2e.server_process import ServerProcess
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model_path):
-    proc = ServerProcess(log_path=tmp_path_factory.mktemp("server") / "server.log")
+    """The default model served; file:// media URLs may read from `server.media_dir`."""
+    media = tmp_path_factory.mktemp("media")
+    proc = ServerProcess("--allowed-local-media-path", str(media),
+                         log_path=tmp_path_factory.mktemp("server") / "server.log")
+    proc.media_dir = media
     try:
         yield proc.wait_ready()
     finally:

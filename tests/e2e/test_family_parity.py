@@ -19,6 +19,7 @@ from shared.model_config import load_model_config
 from shared.random_checkpoints import ensure_checkpoint
 from tests.e2e.server_process import ServerProcess
 from tests.e2e.test_openai_parity import MAX_TOKENS, _data_url, _image, _offline_text
+from tests.e2e.video_reference import assert_data_url_matches_transformers, video_clip
 from tests.engine_proc.families import SERVED_FAMILIES
 
 CASES = [[], [(0, (64, 48))], [(1, (120, 90)), (2, (56, 200))]]
@@ -94,3 +95,10 @@ def test_openai_features_on_every_family(family_server):
         assert 2 * metrics["flatserve_state_slots_free"] * slot == metrics["flatserve_state_cache_bytes"]
     else:
         assert metrics["flatserve_state_cache_bytes"] == 0
+
+
+def test_video_matches_transformers(family_server):
+    """A video (data URL, streamed and not) gets transformers' own greedy answer on every
+    family (tests/e2e/video_reference.py)."""
+    folder, server = family_server
+    assert_data_url_matches_transformers(folder, server, video_clip())

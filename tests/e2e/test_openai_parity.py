@@ -19,6 +19,14 @@ from shared.image_resize import resize_image
 from shared.messages import AddRequest, ImageInput
 from shared.model_config import load_model_config
 from shared.sampling_params import SamplingParams
+from tests.e2e.video_reference import (
+    FPS,
+    ask,
+    assert_data_url_matches_transformers,
+    reference,
+    video_clip,
+)
+from tests.video.clips import decoded_frames, frame_list_url, frame_pixels, jpeg
 
 MODEL = "flatserve-tiny-qwen2.5-vl"
 MAX_TOKENS = 12
@@ -101,3 +109,21 @@ def test_sdk_sync_and_async(server):
     again, deltas = asyncio.run(run())
     assert again.text == reply.text
     assert deltas
+
+
+def test_video_forms_match_transformers(server, tiny_model_path):
+    """A video as a data URL (streamed and not), a file:// URL and vLLM's frame list gets
+    transformers' own greedy answer (tests/e2e/video_reference.py)."""
+    clip = video_clip()
+    assert_data_url_matches_transformers(tiny_model_path, server, clip)
+    path = server.media_dir / "clip.mp4"
+    path.write_bytes(clip)
+    want, _ = reference(tiny_model_path, decoded_frames(clip), FPS, "Once more.")
+    assert ask(server, f"file://{path}", "Once more.")[0] == want
+
+    jpegs = [jpeg(frame_pixels(i, 96, 64, seed=4)) for i in range(5)]
+    decoded = [np.asarray(Image.open(io.BytesIO(j)).convert("RGB")) for j in jpegs]
+    want, _ = reference(tiny_model_path, decoded, FPS, "And this?")
+    text, _ = ask(server, frame_list_url(jpegs), "And this?",
+                  media_io_kwargs={"video": {"fps": FPS}})
+    assert text == want

@@ -155,3 +155,23 @@ def test_the_readme_sdk_example_runs_as_printed(start_app, engine_double, capsys
     # the double echoes the prompt: 16 tokens of it, then the story's
     assert "completion_tokens=16" in printed and "Tell me a story" in printed
     assert "random weights" in quick_start and "--model" in quick_start
+
+
+def test_videos_in_every_form(server, engine_double, tmp_path):
+    from tests.video.clips import make_clip
+
+    clip = make_clip(4, 96, 64)
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(clip)
+    frames = np.random.default_rng(2).integers(0, 256, (3, 64, 96, 3), dtype=np.uint8)
+    assert sdk.video_to_url("file:///a.mp4") == "file:///a.mp4"
+    assert sdk.video_to_url(clip) == sdk.video_to_url(path)
+    assert sdk.video_to_url(clip).startswith("data:video/mp4;base64,")
+    listed = sdk.video_to_url(frames)
+    assert listed.startswith("data:video/jpeg;base64,") and listed.count(",") == 3
+    assert sdk.video_to_url([Image.fromarray(f) for f in frames]).count(",") == 3
+    with sdk.Client(server.url, api_key="k") as client:
+        for video, groups in ((clip, 2), (path, 2), (frames, 2)):
+            assert client.chat("watch", videos=[video], max_tokens=3).finish_reason
+            assert engine_double.log()["requests"][-1]["video"] == [True] * groups
+        assert "".join(client.stream_chat("watch", videos=[frames], max_tokens=3))

@@ -26,13 +26,13 @@ def test_vllm_forms_parse():
                  '{"image": 2}', "--dtype", "bfloat16", "--device", "cuda:1",
                  "--no-enable-prefix-caching", "--uvicorn-log-level", "warning")
     assert args.model_tag == "/models/x" and args.served_model_name == ["a", "b"]
-    assert args.limit_mm_per_prompt == 2 and args.dtype == "bfloat16"
+    assert args.limit_mm_per_prompt == (2, 1) and args.dtype == "bfloat16"
     assert args.device == "cuda:1" and args.enable_prefix_caching is False
-    assert parse("--limit-mm-per-prompt", "5").limit_mm_per_prompt == 5
+    assert parse("--limit-mm-per-prompt", "5").limit_mm_per_prompt == (5, 1)
     assert parse("-tp", "2").tensor_parallel_size == 2
     assert parse("--tensor-parallel-size", "4").tensor_parallel_size == 4
     assert parse().tensor_parallel_size == 1
-    assert parse("--limit-mm-per-prompt", '{"image": 3, "video": 0}').limit_mm_per_prompt == 3
+    assert parse("--limit-mm-per-prompt", '{"image": 3, "video": 0}').limit_mm_per_prompt == (3, 0)
 
 
 def test_mm_processor_kwargs_forms(tiny_model_path):
@@ -55,7 +55,11 @@ def test_mm_processor_kwargs_forms(tiny_model_path):
 @pytest.mark.parametrize("flag, value, says", [
     ("--dtype", "fp64", "invalid choice: 'fp64'"),
     ("--device", "gpu", "is not a device"),
-    ("--limit-mm-per-prompt", '{"video": 1}', "only images are supported"),
+    ("--limit-mm-per-prompt", '{"audio": 1}', "audio is not supported"),
+    ("--limit-mm-per-prompt", '{"video": -1}', "the video limit must be a count"),
+    ("--media-io-kwargs", '{"video": {"frames": 8}}', "unknown setting 'frames'"),
+    ("--media-io-kwargs", '{"image": {"x": 1}}', "'image' takes no settings"),
+    ("--media-io-kwargs", '{"video": {"num_frames": -1}}', "num_frames must be a positive"),
     ("--limit-mm-per-prompt", '{"sound": 1}', "unknown modality 'sound'"),
     ("--limit-mm-per-prompt", "many", "neither a count nor a JSON object"),
     ("--mm-processor-kwargs", '{"fps": 2}', "unknown processor setting 'fps'"),
@@ -73,7 +77,7 @@ def test_help_shows_defaults():
     done = subprocess.run([sys.executable, "-m", "flatserve.cli", "serve", "--help"],
                           capture_output=True, text=True, timeout=60)
     text = " ".join(done.stdout.split())
-    assert "(default: 64)" in text and "(default: 8)" in text and "MODEL" in text
+    assert "(default: 64)" in text and "(default: (8, 1))" in text and "MODEL" in text
 
 
 @pytest.mark.parametrize("size, says", [
@@ -163,7 +167,7 @@ def test_a_representative_vllm_command_line_parses_and_validates(tiny_model_path
                                      engine_addresses=("ipc:///tmp/e.sock",))
     assert config.max_model_len == 4000 and config.host == "0.0.0.0"
     assert config.root_path == "/llm" and config.allowed_origins == ("https://ui.example",)
-    assert config.enable_log_requests is False and config.limit_mm_per_prompt == 4
+    assert config.enable_log_requests is False and config.max_images_per_prompt == 4
     engine = EngineConfig(model=args.model_tag, **{n: getattr(args, n) for n in ENGINE_FLAGS})
     assert engine.seed == 1 and engine.num_kv_blocks == 100 and engine.max_num_seqs == 32
     assert args.disable_uvicorn_access_log

@@ -57,3 +57,15 @@ def test_soak_fails_when_a_wrapper_keeps_the_payload(tmp_path):
     assert summary.errors == 0, summary.error_messages[:3]  # it fails on memory, not errors
     api = summary.process("api")
     assert api.slope_mb_per_1k > SHORT_RUN["max_slope"]
+
+
+@pytest.mark.slow
+def test_soak_video_workload_runs(tmp_path):
+    """The video workload: a distinct clip per request, with disconnects, through the real
+    server. Too short to fit a slope (the long soak does that): it checks the workload runs
+    clean and every process is sampled."""
+    config = {**SHORT_RUN, "requests": 40, "concurrency": 4, "image_size": 128,
+              "workload": "video", "video_frames": 8, "max_slope": 10_000.0}
+    summary = run_soak(SoakConfig(out=str(tmp_path), **config))
+    assert summary.errors == 0, summary.error_messages[:3]
+    assert {"api", "engine 0"} <= {p.role for p in summary.processes}
