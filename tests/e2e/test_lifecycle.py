@@ -16,12 +16,6 @@ import pytest
 from api_proc.engine_client import EngineConnection
 from tests.e2e.server_process import ServerProcess
 
-
-def torch_cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
 MODEL = "flatserve-tiny-qwen2.5-vl"
 
 
@@ -269,9 +263,10 @@ def test_two_engines_share_the_load(tmp_path):
     try:
         engines = httpx.get(proc.url + "/health").json()["engines"]
         assert len(engines) == 2 and all(e["ok"] for e in engines)
-        # on the CPU they yield to the API process: its event loop answers first
-        nice = psutil.Process().nice() + (0 if torch_cuda_available() else 10)
-        assert [psutil.Process(pid).nice() for pid in proc.engine_pids()] == [min(nice, 19)] * 2
+        # not niced by default (--engine-nice): a niced engine's OpenMP threads wait on
+        # each other whenever the API or a client takes one's core
+        nice = psutil.Process().nice()
+        assert [psutil.Process(pid).nice() for pid in proc.engine_pids()] == [nice] * 2
         lines = log.read_text().splitlines()
         for rank in (0, 1):
             assert any(f" engine{rank} " in line and f"torch intra-op threads: {threads}" in line
