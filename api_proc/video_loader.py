@@ -40,6 +40,7 @@ from api_proc.media_loader import (
     too_large,
 )
 from shared.image_key import group_key, video_key
+from shared.memory import release_freed_memory
 from shared.messages import ImageInput
 from shared.video_layout import VideoLayout, VideoSettings, sample_indices
 
@@ -298,6 +299,17 @@ def decode_video(data: bytes | list[bytes], indices: list[int], resized_hw: tupl
     return groups
 
 
+def _decode_then_trim(*args) -> list[np.ndarray]:
+    """decode_video, then hand the memory FFmpeg freed back to the OS. Without it glibc
+    keeps it: the API's RSS grew ~4 MB per 1,000 16-frame 448px clips (soak: +3.77 ± 0.63
+    MB/1k) and 4.6 MB per 3,000 decodes in a loop, with Python's heap flat; trimmed, the
+    loop stays flat. A trim costs about a millisecond next to ~100 ms of decoding."""
+    try:
+        return decode_video(*args)
+    finally:
+        release_freed_memory()
+
+
 class _Refused(Exception):
     pass
 
@@ -415,7 +427,7 @@ class VideoLoader:
         settings = self.settings
         slack = 0 if video.count_exact else max(2, video.total_frames // 100)
         groups = await self.media.run_in_pool(
-            decode_video, video.take(), video.indices, video.resized_hw,
+            _decode_then_trim, video.take(), video.indices, video.resized_hw,
             (video.height, video.width), settings.temporal_patch_size, slack)
         p = settings.patch_size
         positions = video.layout.temporal_positions
