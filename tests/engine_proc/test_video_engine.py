@@ -90,8 +90,7 @@ def hf_greedy(hf, config, ids: list[int], video: np.ndarray, layout, indices) ->
                   pixel_values_videos=hf_video_patches(config, video),
                   video_grid_thw=torch.tensor([list(layout.grid_thw)]))
     if config.model_type == "qwen2_5_vl":
-        sampled_fps = len(indices) / len(indices) * SOURCE_FPS
-        kwargs["second_per_grid_ts"] = torch.tensor([2 / sampled_fps])
+        kwargs["second_per_grid_ts"] = torch.tensor([2 / SOURCE_FPS])
     with torch.no_grad():
         out = hf.generate(**kwargs, max_new_tokens=MAX_TOKENS, do_sample=False)
     return out[0, len(ids):].tolist()
