@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# The checks that need an NVIDIA GPU, in one run: the GPU-marked tests, the served families
+# and structured outputs with the engine on CUDA (xgrammar's CUDA bitmask path), bf16 MoE,
+# `flatserve bench` on the tiny model and the 3B-shaped preset, and the 2048px soak.
+#
+#     OUT=out/gpu bash scripts/gpu_checks.sh [steps...]
+#
+# Steps (default: all, in this order): env tests e2e moe bench bench3b soak.
+# Everything is logged to $OUT/log.txt (bench tables too); the soak's CSV, PNG and summary
+# land in $OUT/soak.
+# Without flatserve installed (a bare GPU machine) it runs from the checkout: wheels in
+# ./.whl (if present) are installed into /tmp/site first. Environment knobs:
+# SOAK_REQUESTS (2000), SOAK_CONCURRENCY (128), SOAK_SIZE (2048), BENCH_REQUESTS (200).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out/gpu}
+mkdir -p "$OUT"
+LOG="$OUT/log.txt"
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] && PY=${PYTHON:-.venv/bin/python}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+if [ -d .whl ] && ! "$PY" -c "import zmq, fastapi, xgrammar, av" 2>/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl >>"$LOG" 2>&1 || { echo "wheel install failed"; exit 1; }
+    export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+fi
+export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+FS="$PY -m flatserve.cli"
+export PY FS OUT LOG
+
+step() {  # step NAME LIMIT_S command...: run, log, print one summary line
+    local name=$1 limit=$2 start rc
+    shift 2
+    start=$(date +%s)
+    echo "===== $name: $*" >>"$LOG"
+    timeout -k 10 "$limit" bash -c "$*" >>"$LOG" 2>&1
+    rc=$?
+    echo "$name rc=$rc $(( $(date +%s) - start ))s" | tee -a "$OUT/summary.txt" >>"$LOG"
+    return $rc
+}
+
+model() { $FS make-model --preset "$1" 2>>"$LOG" | tail -1; }
+
+run_env() {
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    "$PY" -c "import torch; from importlib.metadata import version as v; print('torch', \
+torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0), 'transformers', \
+v('transformers'), 'xgrammar', v('xgrammar'))"
+    nproc
+}
+
+run_tests() {
+    "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/engine_proc
+}
+
+run_e2e() {  # every family served with its engine on CUDA, against transformers' tokens
+    "$PY" -m pytest -q -p no:cacheprovider tests/e2e/test_family_parity.py \
+        tests/e2e/test_structured_outputs.py tests/e2e/test_openai_parity.py
+}
+
+run_moe() {  # Qwen3-VL MoE served in bfloat16 (grouped GEMMs), image + text requests
+    $FS bench --workload mixed --image-size 448 --concurrency 16 --num-requests 64 \
+        --output-len 32 --ignore-eos --no-progress \
+        -- --model "$(model tiny-qwen3-vl-moe)" --dtype bfloat16
+}
+
+run_bench() {  # the README's rows on the tiny model
+    local n=${BENCH_REQUESTS:-200}
+    $FS bench --workload text --prompt-len 100 --output-len 64 --ignore-eos \
+        --concurrency 32 --num-requests "$n" --no-progress
+    $FS bench --workload image --image-size 1024 --output-len 32 --ignore-eos \
+        --concurrency 32 --num-requests "$n" --no-progress
+}
+
+run_bench3b() {  # Qwen2.5-VL-3B shapes, random bf16 weights
+    local m
+    m=$(model 3b)
+    $FS bench --workload text --prompt-len 256 --output-len 128 --ignore-eos \
+        --concurrency 32 --num-requests 128 --no-progress \
+        -- --model "$m"
+    $FS bench --workload image --image-size 1024 --output-len 64 --ignore-eos \
+        --concurrency 32 --num-requests 128 --no-progress \
+        -- --model "$m"
+}
+
+run_soak() {  # 2048px, unique images, 10% disconnects
+    $FS soak --requests "${SOAK_REQUESTS:-2000}" \
+        --concurrency "${SOAK_CONCURRENCY:-128}" --image-size "${SOAK_SIZE:-2048}" \
+        --max-tokens 32 --disconnect-share 0.1 --out "$OUT/soak" \
+        -- --max-num-seqs "${SOAK_CONCURRENCY:-128}"
+}
+
+export -f model run_env run_tests run_e2e run_moe run_bench run_bench3b run_soak
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(env tests e2e moe bench bench3b soak)
+declare -A LIMIT=([env]=60 [tests]=100 [e2e]=150 [moe]=60 [bench]=80 [bench3b]=200
+                  [soak]=260)
+for s in "${steps[@]}"; do
+    step "$s" "${LIMIT[$s]}" "run_$s"
+done
+cat "$OUT/summary.txt"
