@@ -79,6 +79,7 @@ class LLMEngine:
         mamba_ssm_cache_dtype: str = EngineConfig.mamba_ssm_cache_dtype,
         mamba_cache_mode: str = EngineConfig.mamba_cache_mode,
         state_snapshot_bytes: int = EngineConfig.state_snapshot_bytes,
+        pack_weights: bool = EngineConfig.pack_weights,
     ):
         self.config: ModelConfig = load_model_config(model_path)
         self.max_model_len = min(
@@ -102,6 +103,7 @@ class LLMEngine:
             ssm_state_dtype=mamba_ssm_cache_dtype,
             state_snapshot_bytes=(state_snapshot_bytes if enable_prefix_caching
                                   and mamba_cache_mode == "align" else 0),
+            pack_weights=pack_weights,
         )
         self._log_cache_sizes()
         if (self.config.text.is_hybrid and enable_prefix_caching
@@ -158,6 +160,7 @@ class LLMEngine:
             encoder_cache_bytes=config.encoder_cache_bytes,
             decode_share=config.decode_share,
             tensor_parallel_size=config.tensor_parallel_size,
+            pack_weights=config.pack_weights,
             tp_label=f"engine {config.rank}",
             mamba_ssm_cache_dtype=config.mamba_ssm_cache_dtype,
             mamba_cache_mode=config.mamba_cache_mode,

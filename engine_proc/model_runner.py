@@ -24,6 +24,7 @@ import torch
 
 from engine_proc.distributed import all_reduce_min, tp_shard
 from engine_proc.encoder_cache import EncoderCache
+from engine_proc.layers.packed_linear import pack_linear_weights
 from engine_proc.logits_adjustments import build_adjustments
 from engine_proc.models.registry import model_class
 from engine_proc.prompt_logprobs import PromptRows, score
@@ -105,6 +106,7 @@ class ModelRunner:
         max_model_len: int = 0,
         ssm_state_dtype: str | None = None,
         state_snapshot_bytes: int = 0,
+        pack_weights: bool = True,
     ):
         """tensor_parallel_size > 1: this runner is rank 0 and starts the other ranks
         (engine_proc/tensor_parallel.py; `tp_label` names them); vision=False: a worker
@@ -115,7 +117,9 @@ class ModelRunner:
         `num_state_slots` may come out lower); `ssm_state_dtype` overrides the checkpoint's
         recurrent state dtype (None or "auto": the checkpoint's, float32 as published).
         `state_snapshot_bytes`: states kept for prefix caching (engine_proc/state_snapshots.py),
-        -1 for one per slot; from the budget after the slots, fewer if it is short."""
+        -1 for one per slot; from the budget after the slots, fewer if it is short.
+        `pack_weights`: on a CPU in float32, linear layers run through oneDNN on weights
+        packed once (engine_proc/layers/packed_linear.py)."""
         self.config = config
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, config)
@@ -136,11 +140,14 @@ class ModelRunner:
                 max_num_kv_blocks=max_num_kv_blocks, device=str(self.device),
                 dtype=str(self.dtype).removeprefix("torch."), max_num_seqs=max_num_seqs,
                 max_model_len=max_model_len, ssm_state_dtype=ssm_state_dtype,
-                state_snapshot_bytes=state_snapshot_bytes), label=tp_label)
+                state_snapshot_bytes=state_snapshot_bytes, pack_weights=pack_weights),
+                label=tp_label)
         try:
             self.model = model_class(config)(config, self.device, self.dtype, vision=vision)
             self.model.load_weights(config.path)
             self.model.eval()
+            if pack_weights:
+                pack_linear_weights(self.model)
             self.state_shape = self._state_shape(ssm_state_dtype)
             self.max_model_len = max_model_len or config.text.max_position_embeddings
             num_blocks, num_slots, num_snapshots = self._size_caches(

@@ -53,6 +53,7 @@ ENGINE_FLAGS = (
     "mamba_ssm_cache_dtype",
     "mamba_cache_mode",
     "state_snapshot_bytes",
+    "pack_weights",
 )
 DEFAULT_MAX_MODEL_LEN = 8192
 DEFAULT_MAX_ENGINE_RESTARTS = 5

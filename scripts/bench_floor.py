@@ -63,11 +63,12 @@ def memory_bandwidth(num_bytes: int = 1 << 29) -> float:
 
 
 def linear_weights(module: nn.Module, skip: tuple[nn.Module, ...] = ()) -> list[torch.Tensor]:
-    """The weight matrices a token's forward multiplies by (2-D or convolution weights;
-    embeddings and norms left out)."""
+    """The weight matrices a token's forward multiplies by (2-D or convolution weights,
+    oneDNN-packed ones included; embeddings and norms left out)."""
     skipped = {id(p) for s in skip for p in s.parameters()}
+    packed = [(n, b) for n, b in module.named_buffers() if n.endswith("packed_weight")]
     out = []
-    for name, param in module.named_parameters():
+    for name, param in [*module.named_parameters(), *packed]:
         if id(param) in skipped or param.dim() < 2 or "embed_tokens" in name:
             continue
         out.append(param)

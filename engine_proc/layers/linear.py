@@ -11,7 +11,8 @@ layer); each rank's partial products are summed over the ranks.
 Split layers name the part of a checkpoint tensor they hold (`checkpoint_slice`), so the
 loader reads only that part from the file.
 
-`store_weights_transposed` re-lays out loaded Linear weights for CPU GEMMs.
+`store_weights_transposed` re-lays out loaded Linear weights for CPU GEMMs; an engine on a
+CPU in float32 then packs them for oneDNN (packed_linear.py).
 """
 
 from __future__ import annotations
@@ -69,10 +70,14 @@ class RowParallelLinear(nn.Linear):
         start, end = self.shard.split(shape[1])
         return (slice(None), slice(start, end))
 
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's product x W^T, before the sum over the ranks and the bias."""
+        return F.linear(x, self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shard.size == 1:
             return super().forward(x)
-        y = all_reduce(F.linear(x, self.weight), self.shard)
+        y = all_reduce(self.partial(x), self.shard)
         return y if self.bias is None else y + self.bias
 
 

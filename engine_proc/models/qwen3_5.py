@@ -9,7 +9,6 @@ on its output. Every decoder norm is zero-centred. MoE layers add a shared exper
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine_proc.context import get_context
@@ -71,7 +70,7 @@ class SharedExpertMoeBlock(SparseMoeBlock):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # each rank's parts of the routed and shared sums, summed over the ranks once
         expert = self.shared_expert
-        shared = F.linear(expert.act(expert.gate_up_proj(x)), expert.down_proj.weight)
+        shared = expert.down_proj.partial(expert.act(expert.gate_up_proj(x)))
         shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
         return all_reduce(self.routed(x) + shared, self.shard)
 

@@ -1,0 +1,65 @@
+"""Linear layers packed for oneDNN on a CPU compute what F.linear computes, hold one copy of
+their weights, and leave alone what must keep its layout (tied weights, bfloat16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine_proc.layers.linear import MergedLinear, RowParallelLinear
+from engine_proc.layers.packed_linear import can_pack, pack_linear_weights
+from engine_proc.model_runner import ModelRunner
+from shared.model_config import load_model_config
+
+pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32),
+                                reason="this torch has no oneDNN")
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.plain = nn.Linear(48, 64)
+        self.merged = MergedLinear(64, [32, 16, 16], bias=True)
+        self.row = RowParallelLinear(64, 40, bias=False)
+        self.embed = nn.Embedding(40, 24)
+        self.tied = nn.Linear(24, 40, bias=False)
+        self.tied.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.row(self.merged(self.plain(x)))
+
+
+def test_packed_layers_compute_f_linear_with_one_copy_of_the_weights():
+    torch.manual_seed(0)
+    net = _Net()
+    x = torch.randn(37, 48)
+    rows = torch.randn(5, 64)
+    with torch.no_grad():
+        expected = net(x)
+        expected_partial = F.linear(rows, net.row.weight)
+    assert pack_linear_weights(net) == 3
+    with torch.inference_mode():
+        torch.testing.assert_close(net(x), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(net.row.partial(rows), expected_partial, rtol=1e-5, atol=1e-5)
+        assert net(x[:0]).shape == (0, 40)
+    for layer in (net.plain, net.merged, net.row):
+        assert layer.weight is None and layer.packed_weight.is_mkldnn
+        assert isinstance(layer, nn.Linear)  # still what the model code expects
+    assert net.tied.weight is net.embed.weight and not hasattr(net.tied, "packed_weight")
+
+
+def test_bfloat16_and_unpacked_runner_keep_f_linear(tiny_model_path):
+    layer = nn.Linear(8, 8).to(torch.bfloat16)
+    assert pack_linear_weights(layer) == 0 and layer.weight is not None
+    config = load_model_config(tiny_model_path)
+    off = ModelRunner(config, block_size=16, num_kv_blocks=8, device="cpu", dtype="float32",
+                      pack_weights=False)
+    on = ModelRunner(config, block_size=16, num_kv_blocks=8, device="cpu", dtype="float32")
+    assert not any(n.endswith("packed_weight") for n, _ in off.model.named_buffers())
+    packed = [n for n, _ in on.model.named_buffers() if n.endswith("packed_weight")]
+    # every decoder and vision projection; the LM head (ParallelLMHead) keeps its own path
+    assert any(".mlp.gate_up_proj." in n for n in packed)
+    assert any("visual.blocks.0.attn.qkv" in n for n in packed)
+    assert not any("lm_head" in n for n in packed)
