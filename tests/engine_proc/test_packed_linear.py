@@ -59,7 +59,11 @@ def test_bfloat16_and_unpacked_runner_keep_f_linear(tiny_model_path):
     on = ModelRunner(config, block_size=16, num_kv_blocks=8, device="cpu", dtype="float32")
     assert not any(n.endswith("packed_weight") for n, _ in off.model.named_buffers())
     packed = [n for n, _ in on.model.named_buffers() if n.endswith("packed_weight")]
-    # every decoder and vision projection; the LM head (ParallelLMHead) keeps its own path
+    # every decoder and vision projection, and the (untied) LM head
     assert any(".mlp.gate_up_proj." in n for n in packed)
     assert any("visual.blocks.0.attn.qkv" in n for n in packed)
-    assert not any("lm_head" in n for n in packed)
+    assert "lm_head.packed_weight" in packed
+    hidden = torch.randn(6, config.text.hidden_size)
+    with torch.inference_mode():
+        torch.testing.assert_close(on.model.compute_logits(hidden),
+                                   off.model.compute_logits(hidden), rtol=1e-4, atol=1e-4)
