@@ -49,8 +49,9 @@ class BenchConfig:
     turns: int = opt(4, "turns of each multi-turn conversation, sent one after another")
     baseline_args: tuple[str, ...] = opt(
         (), "also run the same load against a server started with these arguments added "
-            "(e.g. '--no-enable-prefix-caching --encoder-cache-bytes 0'), first, and print "
-            "both side by side with ratios")
+            "(e.g. '--no-enable-prefix-caching --encoder-cache-bytes 0'; one flag alone as "
+            "--baseline-args=--no-pack-weights), first, and print both side by side with "
+            "ratios")
     peer_url: str | None = opt(None, "also measure this OpenAI-compatible server (e.g. vLLM at "
                                      "http://127.0.0.1:8200) with the same requests, in "
                                      "alternating rounds, and print both with ratios")
