@@ -18,6 +18,8 @@ path.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -28,9 +30,22 @@ PACKABLE = (nn.Linear, MergedLinear, RowParallelLinear, ParallelLMHead)
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype == torch.float32
-            and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    return device.type == "cpu" and dtype == torch.float32 and _onednn_linear_works()
+
+
+@functools.cache
+def _onednn_linear_works() -> bool:
+    """Whether this torch build runs oneDNN's packed linear here (some CPU builds have the
+    ops without a working kernel): one tiny product, checked against F.linear."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        w, x = torch.randn(8, 4), torch.randn(3, 4)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w)
+        y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return torch.allclose(y, torch.nn.functional.linear(x, w), rtol=1e-4, atol=1e-5)
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
 
 
 class _Packed:
