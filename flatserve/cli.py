@@ -14,6 +14,7 @@ from flatserve.launcher import DEFAULT_MAX_ENGINE_RESTARTS, ENGINE_FLAGS
 from flatserve.vllm_flags import add_vllm_flags
 from shared.config_args import add_dataclass_args
 from shared.engine_config import EngineConfig
+from shared.memory_plan import parse_size
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -112,6 +113,11 @@ def build_serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     ApiConfig.add_cli_args(parser)
     _add_engine_args(parser)
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    parser.add_argument("--host-memory-limit", type=parse_size, default=None, metavar="SIZE",
+                        help="host memory all of this server's processes may use together "
+                        "(bytes, or 24G: GiB, 24g: 10^9); the server refuses to start when the "
+                        "sum of their memory plans is above it (default: the cgroup's memory "
+                        "limit, if any)")
     parser.add_argument("--disable-log-requests", dest="enable_log_requests",
                         action="store_false", help="vLLM's older spelling of "
                         "--no-enable-log-requests")
