@@ -61,6 +61,47 @@ def measured_sizes(engine: LLMEngine) -> EngineSizes:
         on_cuda=runner.on_cuda)
 
 
+def planned_sizes(config: EngineConfig, model: ModelConfig) -> EngineSizes:
+    """The sizes an engine with `config` would resolve, without loading it (`flatserve plan`):
+    weights from the checkpoint's safetensors headers, the caches as ModelRunner sizes them
+    on a CPU (on CUDA they are device memory, outside the host plan)."""
+    from engine_proc.model_runner import CPU_KV_CACHE_BYTES, DTYPES, resolve_device, resolve_dtype
+    from engine_proc.models.weight_loader import checkpoint_weight_bytes
+    from engine_proc.state_cache import StateShape
+
+    dtype = resolve_dtype(config.dtype, model)
+    on_cuda = resolve_device(config.device).type == "cuda"
+    text = model.text
+    max_model_len = min(config.max_model_len or text.max_position_embeddings,
+                        text.max_position_embeddings)
+    block_bytes = (2 * text.num_attention_layers * config.block_size * text.num_key_value_heads
+                   * text.head_dim * dtype.itemsize)
+    state = 0
+    if text.is_hybrid:
+        name = config.mamba_ssm_cache_dtype
+        ssm = DTYPES[text.ssm_state_dtype if name == "auto" else name]
+        slot = StateShape.of(text, 1, dtype, ssm).slot_bytes
+        snapshots = 0
+        if config.enable_prefix_caching and config.mamba_cache_mode == "align":
+            snapshots = (config.max_num_seqs if config.state_snapshot_bytes < 0
+                         else config.state_snapshot_bytes // slot)
+        state = (config.max_num_seqs + snapshots) * slot
+    max_blocks = config.max_num_seqs * -(-max_model_len // config.block_size)
+    if config.num_kv_blocks:
+        blocks = config.num_kv_blocks
+    else:
+        budget = (config.kv_cache_memory_bytes - state if config.kv_cache_memory_bytes
+                  else CPU_KV_CACHE_BYTES)
+        blocks = min(budget // block_bytes, max_blocks)
+    kv = 0 if on_cuda else blocks * block_bytes
+    encoder = kv // 8 if config.encoder_cache_bytes < 0 else config.encoder_cache_bytes
+    return EngineSizes(
+        weights_bytes=checkpoint_weight_bytes(model.path, dtype.itemsize), kv_cache_bytes=kv,
+        state_cache_bytes=state, encoder_cache_bytes=encoder, max_num_seqs=config.max_num_seqs,
+        max_requests=config.max_num_seqs + config.max_waiting, max_model_len=max_model_len,
+        dtype_bytes=dtype.itemsize, on_cuda=on_cuda)
+
+
 def resident_bytes(sizes: EngineSizes) -> int:
     """The parts already in RSS when the engine is loaded (written at start), on a CPU."""
     if sizes.on_cuda:

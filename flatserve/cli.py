@@ -1,4 +1,5 @@
-"""The `flatserve` command: `serve` (engines + API server), `engine` (one engine alone),
+"""The `flatserve` command: `serve` (engines + API server), `plan` (the memory plan `serve`
+would state, without starting it), `engine` (one engine alone),
 `keys` (CURVE keys for remote engines), `soak` (RSS soak test), `bench` (serving benchmark),
 `make-model` (the tiny default checkpoint)."""
 
@@ -141,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flatserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     build_serve_parser(sub.add_parser("serve", help="spawn engines and serve the OpenAI-compatible API"))
+    build_serve_parser(sub.add_parser(
+        "plan", help="print the memory plan `serve` would state with the same flags, "
+        "without loading the model (exit 1 when it is above the memory limit)"))
     sub.add_parser("soak", help="RSS soak test (options: flatserve soak --help)", add_help=False)
     sub.add_parser("bench", help="serving benchmark (options: flatserve bench --help)",
                    add_help=False)
@@ -174,6 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "plan":
+        from flatserve.plan import run_plan
+
+        logging.basicConfig(level="WARNING")
+        return run_plan(args)
     if args.command == "engine":
         return run_engine(args)
     if args.command == "keys":
