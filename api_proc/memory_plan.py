@@ -1,6 +1,6 @@
 """The API process's memory plan (shared/memory_plan.py): its RSS ceiling from its budgets.
 
-Its RSS at start (the app built, the tokenizer loaded, the engines connected) plus what its
+Its RSS at start (the app built, the tokenizer loaded) plus what its
 budgets let it hold: the image bytes admission lets in (R4: bodies, decoding and resizing,
 resized pixels, all in one budget), the small bodies read below that budget's threshold, the
 state of every request the engines can hold (R2: ids, counters, detokenizer state), the
@@ -21,7 +21,8 @@ from shared.memory_plan import MemoryPart, MemoryPlan
 
 # The objects a request keeps in this process while an engine runs it: its HTTP connection
 # (uvicorn's protocol and transport buffers), its task and coroutine frames, its stream and
-# response writer. An upper estimate: tests/api_proc/test_memory_plan.py measures them.
+# response writer. An upper estimate: tests/api_proc/test_memory_plan.py measures them with
+# tracemalloc, client included.
 REQUEST_OBJECTS_BYTES = 64 << 10
 # Per completion token of a running request: its id in the detokenizer's window or in the
 # outputs merged for a slow reader (a list entry and an int object, 36 bytes), and its text

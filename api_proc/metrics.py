@@ -3,9 +3,9 @@
 What vLLM measures carries vLLM's names, types, buckets and `model_name` label (`vllm:...`),
 so dashboards and alerts written for vLLM work unchanged; what only flatserve has is named
 `flatserve_...`: HTTP outcomes, admission of image bytes, the caches, the RSS of every
-process and its memory plan (shared/memory_plan.py). Figures the engines keep (running and waiting requests, KV usage, preemptions,
-cache counters, their RSS) are read from the stats each engine sends with every step, summed
-over engines at each scrape.
+process and its memory plan (shared/memory_plan.py). Figures the engines keep (running and
+waiting requests, KV usage, preemptions, cache counters, their RSS) are read from the stats
+each engine sends with every step, summed over engines at each scrape.
 """
 
 from __future__ import annotations

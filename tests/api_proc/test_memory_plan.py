@@ -6,11 +6,13 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import threading
+import time
+import tracemalloc
 
 import httpx
 import psutil
 
-from api_proc.memory_plan import EngineCapacity, api_plan
+from api_proc.memory_plan import REQUEST_OBJECTS_BYTES, EngineCapacity, api_plan
 from shared.memory import API_MALLOC_ENV, apply_malloc_settings
 from tests.api_proc.conftest import data_url, encode_image
 
@@ -85,3 +87,34 @@ def test_a_burst_larger_than_the_budget_stays_inside_the_plan(start_app, engine_
     assert results == [200] * NUM_REQUESTS
     assert BUDGET // 2 < peak_in_flight <= BUDGET  # the burst waited for its budget
     assert rss.peak <= plan.total, (rss.peak >> 20, plan.total >> 20)
+
+
+def test_a_request_an_engine_holds_costs_the_api_less_than_its_plan_counts(
+        start_app, fresh_engine_double):
+    """REQUEST_OBJECTS_BYTES against what Python allocates for requests held at the engine
+    (their connection, task, stream and response writer; the client's objects are in the
+    same process and counted too, so this reads high)."""
+    server = start_app(fresh_engine_double)
+    url = server.url + "/v1/chat/completions"
+    held = 48
+    request = {"messages": [{"role": "user", "content": "[[gated]] hello"}], "max_tokens": 4,
+               "stream": True}
+    with httpx.Client(timeout=60, limits=httpx.Limits(max_connections=held)) as client:
+        assert client.post(url, json={**request, "stream": False,
+                                      "messages": [{"role": "user", "content": "warm"}]}
+                           ).status_code == 200
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            with concurrent.futures.ThreadPoolExecutor(held) as pool:
+                replies = [pool.submit(lambda: client.post(url, json=request)) for _ in range(held)]
+                deadline = time.monotonic() + 60
+                while len(fresh_engine_double.log()["running"]) < held:
+                    assert time.monotonic() < deadline, "the requests never reached the engine"
+                    time.sleep(0.05)
+                per_request = (tracemalloc.get_traced_memory()[0] - before) / held
+                fresh_engine_double.open_gate()
+                assert [r.result().status_code for r in replies] == [200] * held
+        finally:
+            tracemalloc.stop()
+    assert 0 < per_request < REQUEST_OBJECTS_BYTES, per_request

@@ -78,3 +78,37 @@ def test_a_malformed_limit_fails_before_any_process():
     done = serve("--host-memory-limit", "24X")
     assert done.returncode == 2
     assert "--host-memory-limit" in done.stderr and "'24X' is not a size" in done.stderr
+
+
+def plan_command(*flags: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "flatserve.cli", "plan", *SMALL_ENGINE_FLAGS, *flags]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
+
+
+def table_parts(text: str) -> dict[tuple[str, str], int]:
+    parts = {}
+    for line in text.splitlines()[2:]:
+        cells = [c for c in line.split("  ") if c.strip()]
+        parts[cells[0].strip(), cells[1].strip()] = int(cells[2].replace(",", ""))
+    return parts
+
+
+def test_the_dry_run_states_the_served_engine_s_budgets_without_loading_it(server):
+    done = plan_command()
+    assert done.returncode == 0, done.stderr[-2000:]
+    planned = table_parts(done.stdout)
+    served, _, _ = plan_gauges(server)
+    for part in ("weights", "kv cache", "encoder cache", "step workspace", "vision workspace",
+                 "pixels in flight", "admitted requests", "wire buffers", "allocator slack"):
+        assert planned["engine 0", part] == served["engine 0", part], part
+    for part in ("media in flight", "small bodies", "request state", "media pool"):
+        assert planned["api", part] == served["api", part], part
+    assert planned["all", "total"] == sum(v for (p, part), v in planned.items()
+                                          if part == "total" and p != "all")
+
+
+def test_the_dry_run_refuses_a_plan_above_the_limit():
+    done = plan_command("--host-memory-limit", "1G")
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        "flatserve plan: the memory plan needs")
