@@ -20,7 +20,6 @@ import time
 import psutil
 
 from engine_proc.llm_engine import ImageMissing, LLMEngine
-from engine_proc.memory_plan import engine_plan, measured_sizes
 from engine_proc.scheduler import QueueFull, RequestRejected
 from engine_proc.tensor_parallel import TensorParallelBroken
 from rpc.curve import load_server_keys
@@ -41,9 +40,8 @@ class EngineProcess:
         self.engine = LLMEngine.from_config(config)
         keys = load_server_keys(config.curve_key_dir) if config.curve_key_dir else None
         self.server = EngineServer(config.address, self.engine.max_requests, keys=keys)
-        self.server.memory_plan = engine_plan(
-            f"engine {config.rank}", config, self.engine.config, measured_sizes(self.engine),
-            psutil.Process().memory_info().rss)
+        self.server.memory_plan = self.engine.memory_plan(
+            f"engine {config.rank}", config, psutil.Process().memory_info().rss)
         self.stopping = False
         self._process = psutil.Process()
         self._rss_at, self._rss_bytes = -1.0, 0

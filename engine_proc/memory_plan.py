@@ -10,12 +10,15 @@ weights, caches and activations live on the device and are not part of the host 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from engine_proc.llm_engine import LLMEngine
 from rpc.engine_server import MAX_PENDING_PER_PEER
 from shared.engine_config import EngineConfig
 from shared.memory_plan import MemoryPart, MemoryPlan
 from shared.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from engine_proc.llm_engine import LLMEngine
 
 # A Python list of token ids: an 8-byte pointer per entry and a 28-byte int object for each
 # id above 256 (CPython caches the small ones). Prompts are held as such lists.
