@@ -109,6 +109,7 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
                       mm_inflight_bytes=lambda: admission.in_flight_bytes,
                       mm_inflight_budget=config.mm_inflight_budget,
                       engine_stats=lambda: [e.stats for e in engines.engines],
+                      engine_plans=lambda: [e.memory_plan for e in engines.engines],
                       model_name=config.model_name, max_model_len=builder.max_model_len)
     bodies = BodyReader(config.max_body_bytes, admission, config.body_read_timeout_s,
                         config.max_unread_bodies)

@@ -40,6 +40,7 @@ from api_proc.errors import BadRequest, EngineFailed, EngineUnavailable, HTTPErr
 from rpc.codec import DecodeError, decode, encode
 from rpc.curve import ClientKeys, uses_curve
 from rpc.sockets import check_address, make_socket
+from shared.memory_plan import MemoryPlan
 from shared.messages import (
     AbortRequests,
     AddRequest,
@@ -85,6 +86,7 @@ class EngineConnection:
         self.on_request_end: Callable[[], None] = lambda: None
         self.num_tokens = 0  # prompt tokens not yet prefilled + completion tokens not yet made
         self.stats: EngineStats | None = None
+        self.memory_plan: MemoryPlan | None = None  # the engine's, from its answers to pings
         self.encoder_keys: dict[bytes, None] = {}  # the engine's encoder cache, as last heard
         self.lost_reason: str | None = NOT_CONNECTED
         self._ready = asyncio.Event()
@@ -196,6 +198,8 @@ class EngineConnection:
         self._unanswered_since = None
         if step.stats is not None:
             self.stats = step.stats
+        if step.memory_plan is not None:
+            self.memory_plan = step.memory_plan
         if step.encoder_keys is not None:
             self._apply_key_news(step.encoder_keys)
         if self.lost_reason is not None:

@@ -3,9 +3,9 @@
 What vLLM measures carries vLLM's names, types, buckets and `model_name` label (`vllm:...`),
 so dashboards and alerts written for vLLM work unchanged; what only flatserve has is named
 `flatserve_...`: HTTP outcomes, admission of image bytes, the caches, the RSS of every
-process. Figures the engines keep (running and waiting requests, KV usage, preemptions,
-cache counters, their RSS) are read from the stats each engine sends with every step, summed
-over engines at each scrape.
+process and its memory plan (shared/memory_plan.py). Figures the engines keep (running and
+waiting requests, KV usage, preemptions, cache counters, their RSS) are read from the stats
+each engine sends with every step, summed over engines at each scrape.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from shared.memory_plan import MemoryPlan
 from shared.messages import EngineStats
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py)
@@ -52,7 +53,8 @@ class Metrics:
     def __init__(self, *, num_waiting: Callable[[], float], num_running: Callable[[], float],
                  mm_inflight_bytes: Callable[[], float], mm_inflight_budget: int,
                  engine_stats: Callable[[], Iterable[EngineStats | None]],
-                 model_name: str = "flatserve", max_model_len: int = 8192):
+                 model_name: str = "flatserve", max_model_len: int = 8192,
+                 engine_plans: Callable[[], Iterable[MemoryPlan | None]] = tuple):
         self.registry = r = CollectorRegistry()
         label = ["model_name"]
 
@@ -133,6 +135,8 @@ class Metrics:
         self.engine_restarts = Counter(
             "flatserve_engine_restarts", "Engines spawned again after they died", registry=r)
         r.register(EngineStatsCollector(engine_stats, model_name))
+        self.api_plan: MemoryPlan | None = None  # set by the launcher once computed
+        r.register(MemoryPlanCollector(lambda: self.api_plan, engine_plans))
 
     def count_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
@@ -230,3 +234,31 @@ class EngineStatsCollector(Collector):
             if s is not None and s.rss_bytes:
                 rss.add_metric([f"engine {i}"], s.rss_bytes)
         yield rss
+
+
+class MemoryPlanCollector(Collector):
+    """Every process's memory plan, part by part and in total, labelled as
+    flatserve_process_rss_bytes is ("api", "engine N"), so each ceiling sits beside its RSS."""
+
+    def __init__(self, api_plan: Callable[[], MemoryPlan | None],
+                 engine_plans: Callable[[], Iterable[MemoryPlan | None]]):
+        self.api_plan = api_plan
+        self.engine_plans = engine_plans
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        plans = [("api", self.api_plan())]
+        plans += [(f"engine {i}", plan) for i, plan in enumerate(self.engine_plans())]
+        parts = GaugeMetricFamily("flatserve_memory_plan_bytes",
+                                  "Each part of a process's memory plan: what it may hold",
+                                  labels=["process", "part"])
+        totals = GaugeMetricFamily("flatserve_memory_plan_total_bytes",
+                                   "A process's memory plan: the RSS it stays under",
+                                   labels=["process"])
+        for process, plan in plans:
+            if plan is None:
+                continue
+            for part in plan.parts:
+                parts.add_metric([process, part.name], part.nbytes)
+            totals.add_metric([process], plan.total)
+        yield parts
+        yield totals

@@ -40,6 +40,8 @@ class EngineProcess:
         self.engine = LLMEngine.from_config(config)
         keys = load_server_keys(config.curve_key_dir) if config.curve_key_dir else None
         self.server = EngineServer(config.address, self.engine.max_requests, keys=keys)
+        self.server.memory_plan = self.engine.memory_plan(
+            f"engine {config.rank}", config, psutil.Process().memory_info().rss)
         self.stopping = False
         self._process = psutil.Process()
         self._rss_at, self._rss_bytes = -1.0, 0

@@ -20,6 +20,7 @@ from concurrent.futures import FIRST_COMPLETED, wait
 import numpy as np
 
 from engine_proc.encoder_cache import EncoderCache, tensor_bytes
+from engine_proc.memory_plan import engine_plan, measured_sizes
 from engine_proc.model_runner import ModelRunner
 from engine_proc.models.mrope import VisionSpan, vision_positions
 from engine_proc.scheduler import RequestRejected, ScheduledBatch, Scheduler
@@ -28,6 +29,7 @@ from engine_proc.structured_output import StructuredOutputs
 from engine_proc.tensor_parallel import TensorParallelBroken
 from shared.engine_config import EngineConfig
 from shared.image_key import pixels_key
+from shared.memory_plan import MemoryPlan
 from shared.messages import AddRequest, EngineStats, ErrorCode, ImageInput, RequestOutput
 from shared.model_config import ModelConfig, load_model_config
 
@@ -180,6 +182,10 @@ class LLMEngine:
                      f"{runner.state_cache_bytes / 2**20:.1f} MiB over {text.num_linear_layers} "
                      f"linear layers ({str(runner.state_shape.ssm_dtype).removeprefix('torch.')})")
         logger.info(line)
+
+    def memory_plan(self, process: str, config: EngineConfig, rss: int) -> MemoryPlan:
+        """This engine's memory plan (engine_proc/memory_plan.py), `rss` its RSS now."""
+        return engine_plan(process, config, self.config, measured_sizes(self), rss)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any."""

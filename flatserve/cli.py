@@ -1,4 +1,5 @@
-"""The `flatserve` command: `serve` (engines + API server), `engine` (one engine alone),
+"""The `flatserve` command: `serve` (engines + API server), `plan` (the memory plan `serve`
+would state, without starting it), `engine` (one engine alone),
 `keys` (CURVE keys for remote engines), `soak` (RSS soak test), `bench` (serving benchmark),
 `make-model` (the tiny default checkpoint)."""
 
@@ -14,6 +15,7 @@ from flatserve.launcher import DEFAULT_MAX_ENGINE_RESTARTS, ENGINE_FLAGS
 from flatserve.vllm_flags import add_vllm_flags
 from shared.config_args import add_dataclass_args
 from shared.engine_config import EngineConfig
+from shared.memory_plan import parse_size
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -112,6 +114,11 @@ def build_serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     ApiConfig.add_cli_args(parser)
     _add_engine_args(parser)
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    parser.add_argument("--host-memory-limit", type=parse_size, default=None, metavar="SIZE",
+                        help="host memory all of this server's processes may use together "
+                        "(bytes, or 24G: GiB, 24g: 10^9); the server refuses to start when the "
+                        "sum of their memory plans is above it (default: the cgroup's memory "
+                        "limit, if any)")
     parser.add_argument("--disable-log-requests", dest="enable_log_requests",
                         action="store_false", help="vLLM's older spelling of "
                         "--no-enable-log-requests")
@@ -135,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flatserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     build_serve_parser(sub.add_parser("serve", help="spawn engines and serve the OpenAI-compatible API"))
+    build_serve_parser(sub.add_parser(
+        "plan", help="print the memory plan `serve` would state with the same flags, "
+        "without loading the model (exit 1 when it is above the memory limit)"))
     sub.add_parser("soak", help="RSS soak test (options: flatserve soak --help)", add_help=False)
     sub.add_parser("bench", help="serving benchmark (options: flatserve bench --help)",
                    add_help=False)
@@ -168,6 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "plan":
+        from flatserve.plan import run_plan
+
+        logging.basicConfig(level="WARNING")
+        return run_plan(args)
     if args.command == "engine":
         return run_engine(args)
     if args.command == "keys":

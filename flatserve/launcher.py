@@ -14,8 +14,11 @@ import threading
 import time
 from dataclasses import dataclass
 
+import psutil
+
 from api_proc.config import ApiConfig
 from api_proc.engine_client import EngineConnection
+from api_proc.memory_plan import EngineCapacity, api_plan
 from flatserve.engine_supervisor import EngineSupervisor
 from rpc.sockets import IpcDir
 from shared.engine_config import EngineConfig
@@ -25,6 +28,7 @@ from shared.memory import (
     apply_malloc_settings,
     glibc_tuning_enabled,
 )
+from shared.memory_plan import MemoryPlan, format_table, memory_limit, over_limit_message
 from shared.model_config import load_model_config, tensor_parallel_problem
 from shared.process import set_process_title
 
@@ -67,6 +71,7 @@ class EngineStartError(RuntimeError):
 class SpawnedEngine:
     config: EngineConfig
     process: subprocess.Popen
+    memory_plan: MemoryPlan | None = None  # the engine's, heard when it became ready
 
     @property
     def alive(self) -> bool:
@@ -100,6 +105,7 @@ async def _wait_ready(handle: SpawnedEngine, deadline: float) -> None:
                 )
             try:
                 await connection.wait_ready(0.2)  # not bound yet, or still loading the model
+                handle.memory_plan = connection.memory_plan  # came with the first answer
                 return
             except TimeoutError:
                 pass
@@ -222,6 +228,21 @@ def _engine_device(engine_kwargs: dict, rank: int, tp: int, spread: bool) -> dic
     return {**engine_kwargs, "device": f"cuda:{first + rank * tp}"}
 
 
+def memory_plans(config: ApiConfig, configs: list[EngineConfig],
+                 handles: list[SpawnedEngine]) -> list[MemoryPlan]:
+    """The API's plan, measured now (the app built, the tokenizer loaded), then each spawned
+    engine's. Engines started elsewhere count with EngineConfig's default capacity in the
+    API's plan; their own plans belong to their hosts."""
+    capacities = [EngineCapacity(c.max_num_seqs, c.max_num_seqs + c.max_waiting) for c in configs]
+    if not configs:
+        default = EngineConfig()
+        capacities = [EngineCapacity(default.max_num_seqs,
+                                     default.max_num_seqs + default.max_waiting)
+                      ] * len(config.engine_addresses)
+    api = api_plan(config, capacities, psutil.Process().memory_info().rss)
+    return [api, *(h.memory_plan for h in handles if h.memory_plan is not None)]
+
+
 class _Stop(Exception):
     pass
 
@@ -287,6 +308,7 @@ def run_server(args: argparse.Namespace) -> int:
     configs = [
         EngineConfig(model=model, address=ipc_dir.address(f"engine{rank}"), rank=rank,
                      max_model_len=max_model_len, log_level=args.log_level,
+                     mm_inflight_budget=args.mm_inflight_budget,
                      **_engine_device(engine_kwargs, rank, tp, spread))
         for rank in range(num_spawned)
     ]
@@ -315,6 +337,14 @@ def run_server(args: argparse.Namespace) -> int:
             logger.error("%s", exc)
             return 1
         app = build_app(config, engine_processes=[h.process for h in handles])
+        plans = memory_plans(config, configs, handles)
+        logger.info("memory plan (each process's RSS ceiling):\n%s", format_table(plans))
+        limit = memory_limit(args.host_memory_limit)
+        problem = limit and over_limit_message(plans, *limit)
+        if problem:
+            logger.error("flatserve serve: %s", problem)
+            return 1
+        app.state.metrics.api_plan = plans[0]
         if handles and max_restarts:
             supervisor = EngineSupervisor(
                 handles, app.state.engine_client.engines,

@@ -21,6 +21,7 @@ import msgpack
 import numpy as np
 import zmq
 
+from shared.memory_plan import MemoryPart, MemoryPlan
 from shared.messages import (
     WIRE_TYPES,
     AddRequest,
@@ -50,7 +51,7 @@ _INDEX = {t: i for i, t in enumerate(WIRE_TYPES)}
 _ARRAY = msgpack.ExtType(EXT_ARRAY, b"")
 _STEP_INDEX = _INDEX[StepOutputs]
 _STEP_MARKER = _MARKERS[_STEP_INDEX]
-_STEP_HEAD = msgpack.packb([_STEP_MARKER, None, None, None])[:4]  # array of 4, the marker
+_STEP_HEAD = msgpack.packb([_STEP_MARKER, None, None, None, None])[:4]  # array of 5, the marker
 _STATS_FIELDS = _FIELDS[_INDEX[EngineStats]]
 _local = threading.local()  # one Encoder (a reusable msgpack Packer) per thread
 
@@ -95,14 +96,23 @@ def decode(frames: Sequence[Any]) -> Any:
 
 def _decode_step(doc: Any) -> StepOutputs:
     """The hot path: [marker, rows of plain values, stats values or None, encoder key news
-    as [reset, added, removed] or None], no hooks."""
+    as [reset, added, removed] or None, memory plan as [process, [[part, bytes, note],
+    ...]] or None], no hooks."""
     try:
-        _, rows, stats, keys = msgpack.unpackb(doc, raw=False)
+        _, rows, stats, keys, plan = msgpack.unpackb(doc, raw=False)
         return StepOutputs([RequestOutput(*row) for row in rows],
                            None if stats is None else EngineStats(*stats),
-                           None if keys is None else EncoderKeyNews(*keys))
+                           None if keys is None else EncoderKeyNews(*keys),
+                           None if plan is None else _plan(*plan))
     except Exception as e:
         raise DecodeError(f"malformed StepOutputs: {type(e).__name__}: {e}") from None
+
+
+def _plan(process: str, parts: list) -> MemoryPlan:
+    if not isinstance(process, str):
+        raise TypeError("a memory plan's process is not a string")
+    return MemoryPlan(process, tuple(MemoryPart(str(n), int(b), str(note))
+                                     for n, b, note in parts))
 
 
 def peek_request_id(frames: Sequence[Any]) -> str | None:
@@ -137,13 +147,15 @@ class _Encoder:
 
     def default(self, obj: Any) -> Any:
         if type(obj) is StepOutputs:  # the hot path: rows of plain values, no marker per output
-            stats, keys = obj.stats, obj.encoder_keys
+            stats, keys, plan = obj.stats, obj.encoder_keys, obj.memory_plan
             return [_STEP_MARKER, [(o.request_id, o.new_token_ids, o.finish_reason,
                                     o.num_prompt_tokens, o.num_completion_tokens, o.error,
                                     o.error_code, o.logprobs, o.queued_s, o.prompt_logprobs)
                                    for o in obj.outputs],
                     None if stats is None else [getattr(stats, n) for n in _STATS_FIELDS],
-                    None if keys is None else [keys.reset, keys.added, keys.removed]]
+                    None if keys is None else [keys.reset, keys.added, keys.removed],
+                    None if plan is None else [plan.process, [(p.name, p.nbytes, p.note)
+                                                              for p in plan.parts]]]
         index = _INDEX.get(type(obj))
         if index is not None:
             return [_MARKERS[index], *[getattr(obj, name) for name in _FIELDS[index]]]

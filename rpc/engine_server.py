@@ -40,6 +40,7 @@ import zmq
 from rpc.codec import DecodeError, decode, encode, peek_request_id
 from rpc.curve import ServerKeys, start_authenticator
 from rpc.sockets import make_socket
+from shared.memory_plan import MemoryPlan
 from shared.messages import (
     AbortRequests,
     AddRequest,
@@ -92,6 +93,7 @@ class EngineServer:
         self.max_requests = max_requests
         self.peer_timeout_s = peer_timeout_s
         self.stats: EngineStats | None = None  # published by the busy loop, read here
+        self.memory_plan: MemoryPlan | None = None  # set once before start, sent with pongs
         self._commands: queue.SimpleQueue[AddRequest | AbortRequests] = queue.SimpleQueue()
         self._has_commands = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
@@ -230,7 +232,7 @@ class EngineServer:
                     del self._owner[request_id]
                 self._command(AbortRequests(ids))
             elif kind is Ping:
-                self._post(sock, peer, StepOutputs([], self.stats))
+                self._post(sock, peer, StepOutputs([], self.stats, memory_plan=self.memory_plan))
             else:
                 log.warning("unexpected %s from %s ignored", kind.__name__, peer.hex())
             message = None  # R1: the busy loop holds the request now

@@ -73,6 +73,9 @@ class StandInEngine:
     def take_encoder_key_changes(self) -> tuple[list[bytes], list[bytes]]:
         return [], []
 
+    def memory_plan(self, *args: Any) -> None:
+        return None  # holds no model: no plan to state
+
     def close(self) -> None:
         pass
 

@@ -103,6 +103,11 @@ class EngineConfig:
         "image token's embedding is about an eighth of its KV (Qwen2.5-VL-7B: 7 of 56 KiB), "
         "so the cache then holds about as many image tokens as the KV cache holds tokens")
 
+    mm_inflight_budget: int = opt(
+        2 << 30, "image bytes the API processes keep in flight to this engine at most (their "
+        "--mm-inflight-budget; flatserve serve sets it): pixels this engine may hold, counted "
+        "in its memory plan", parse=parse_human_int)
+
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_num_encoder_patches",
                      "encoder_stage_patches",
@@ -110,7 +115,7 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes", "rank",
-                     "torch_threads", "seed"):
+                     "torch_threads", "seed", "mm_inflight_budget"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
 

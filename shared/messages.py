@@ -5,7 +5,7 @@ resized uint8 pixels (R6), sent as an out-of-band zmq frame; nothing here is eve
 
     API -> engine   AddRequest, AbortRequests, Ping
     engine -> API   StepOutputs: every request's new tokens of one engine step, plus stats
-                    (also the answer to a Ping)
+                    (also the answer to a Ping, then with the engine's memory plan)
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from enum import IntEnum
 
 import numpy as np
 
+from shared.memory_plan import MemoryPlan
 from shared.sampling_params import SamplingParams
 
 
@@ -149,11 +150,14 @@ class EncoderKeyNews:
 
 @dataclass
 class StepOutputs:
-    """One engine step's outputs for one API process, with the engine's current stats."""
+    """One engine step's outputs for one API process, with the engine's current stats.
+    An answer to a Ping also carries the engine's memory plan (shared/memory_plan.py),
+    computed once at start: the launcher prints it and /metrics exports it."""
 
     outputs: list[RequestOutput]
     stats: EngineStats | None = None
     encoder_keys: EncoderKeyNews | None = None
+    memory_plan: MemoryPlan | None = None
 
 
 WIRE_TYPES: tuple[type, ...] = (

@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import re
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -91,6 +93,32 @@ def checkpoint_files(folder: Path) -> list[Path]:
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {folder}")
     return files
+
+
+# safetensors' dtype names -> bytes per element
+SAFETENSORS_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4,
+                           "F16": 2, "BF16": 2, "I16": 2, "U16": 2, "F8_E4M3": 1,
+                           "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def checkpoint_weight_bytes(folder: str | Path, float_bytes: int | None = None) -> int:
+    """Bytes the weights of a checkpoint take once loaded, read from the safetensors headers
+    alone (8 bytes of length, then a JSON header: nothing else of the file is read).
+    `float_bytes`: the element size floating tensors are cast to (--dtype); None keeps the
+    checkpoint's. Skipped tensors (mtp.*) are not counted."""
+    total = 0
+    for path in checkpoint_files(Path(folder)):
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        for name, info in header.items():
+            if name == "__metadata__" or name.startswith(SKIPPED_PREFIXES):
+                continue
+            size = SAFETENSORS_DTYPE_BYTES[info["dtype"]]
+            if float_bytes and info["dtype"].startswith(("F", "BF")):
+                size = float_bytes
+            total += math.prod(info["shape"]) * size
+    return total
 
 
 def _needed(model: nn.Module, tied: bool) -> set[tuple[str, int | None]]:

@@ -1,4 +1,5 @@
-"""Reading the server's in-flight multimodal bytes (and its budget) from GET /metrics.
+"""Reading the server's in-flight multimodal bytes (and its budget) and each process's memory
+plan from GET /metrics.
 
 Metric names are matched by substring so the server's naming can settle: the gauge is the
 sample whose name ends with `mm_inflight_bytes` (summed over its label sets), the budget one
@@ -40,3 +41,20 @@ def parse_mm_metrics(text: str) -> MmMetrics:
     if inflight is None:
         inflight = _pick(totals, lambda n: INFLIGHT in n and BUDGET not in n)
     return MmMetrics(inflight, _pick(totals, lambda n: BUDGET in n))
+
+
+PLAN_TOTAL = "flatserve_memory_plan_total_bytes"
+
+
+def parse_plan_totals(text: str) -> dict[str, float]:
+    """Each process's memory plan in bytes, by its `process` label ("api", "engine 0"), the
+    same names the soak gives the processes it samples; empty when the server has none."""
+    plans: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == PLAN_TOTAL and "process" in sample.labels:
+                    plans[sample.labels["process"]] = float(sample.value)
+    except ValueError:
+        return {}
+    return plans

@@ -50,6 +50,22 @@ def write_json(path: str | Path, summary: Summary) -> None:
         Path(path).write_text(text + "\n")
 
 
+def _plot_plans(ax, samples: list[Sample], summary: Summary, colors: dict[str, str]) -> None:
+    for p in summary.processes:
+        color = colors.get(p.role)
+        points = [(s.requests, s.rss_mb[p.role]) for s in samples if p.role in s.rss_mb]
+        if points:
+            xs, ys = zip(*points, strict=True)
+            ax.plot(xs, ys, linewidth=1, color=color, label=f"{p.role} RSS")
+        if p.plan_mb is not None:
+            ax.axhline(p.plan_mb, color=color, linestyle="-", linewidth=2, alpha=0.6,
+                       label=f"{p.role} plan {p.plan_mb:,.0f} MB")
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel("RSS and plan (MB)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small", loc="best")
+
+
 def _stderr(p: ProcessSummary) -> str:
     se = p.slope_stderr_mb_per_1k
     return "" if se is None else f" ± {se:.2f}"
@@ -57,16 +73,21 @@ def _stderr(p: ProcessSummary) -> str:
 
 def write_plot(path: Path, samples: list[Sample], summary: Summary) -> None:
     """RSS of each process over requests finished (fit lines dashed, warm-up dotted, the API's
-    idle RSS plus the in-flight budget as a line), and the in-flight multimodal MB below."""
+    idle RSS plus the in-flight budget as a line); above it, when the server has a memory
+    plan, each process's RSS against its plan drawn as a line of its colour (on a scale from
+    zero, where the plan fits); the in-flight multimodal MB below."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     has_mm = any(s.mm_inflight_mb is not None for s in samples)
-    fig, axes = plt.subplots(2 if has_mm else 1, 1, figsize=(10, 8 if has_mm else 5.5),
-                             sharex=True, squeeze=False, height_ratios=[3, 1] if has_mm else None)
-    ax = axes[0][0]
+    has_plan = any(p.plan_mb is not None for p in summary.processes)
+    ratios = [2] * has_plan + [3] + [1] * has_mm
+    fig, axes = plt.subplots(len(ratios), 1, figsize=(10, 3 + 2.5 * len(ratios)),
+                             sharex=True, squeeze=False, height_ratios=ratios)
+    ax = axes[1 if has_plan else 0][0]
+    colors: dict[str, str] = {}
     for p in summary.processes:
         points = [(s.requests, s.rss_mb[p.role]) for s in samples if p.role in s.rss_mb]
         if not points:
@@ -74,6 +95,7 @@ def write_plot(path: Path, samples: list[Sample], summary: Summary) -> None:
         xs, ys = zip(*points, strict=True)
         (line,) = ax.plot(xs, ys, marker=".", markersize=3, linewidth=1,
                           label=f"{p.role} (pid {p.pid})")
+        colors[p.role] = line.get_color()
         if p.slope_mb_per_1k is not None and p.warm_mb is not None:
             x0, x1 = summary.warmup_requests, max(xs)
             fit = [(s.requests, s.rss_mb[p.role]) for s in samples
@@ -84,6 +106,8 @@ def write_plot(path: Path, samples: list[Sample], summary: Summary) -> None:
             ax.plot([x0, x1], [mean_y + k * (x0 - mean_x), mean_y + k * (x1 - mean_x)],
                     linestyle="--", color=line.get_color(), linewidth=1,
                     label=f"{p.role} fit {p.slope_mb_per_1k:+.2f}{_stderr(p)} MB/1k")
+    if has_plan:
+        _plot_plans(axes[0][0], samples, summary, colors)
     api = next((p for p in summary.processes if p.role == "api"),
                summary.processes[0] if summary.processes else None)
     if summary.budget_mb is not None and api is not None and api.idle_mb is not None:
@@ -94,15 +118,15 @@ def write_plot(path: Path, samples: list[Sample], summary: Summary) -> None:
             row[0].axvline(summary.warmup_requests, color="gray", linestyle=":", linewidth=1)
     verdict = "PASSED" if summary.passed else "FAILED"
     cfg = summary.config
-    ax.set_title(f"RSS soak {verdict}: {summary.requests} requests, "
-                 f"c={cfg.get('concurrency')}, {cfg.get('image_size')}px "
-                 f"{'video ' if cfg.get('workload') == 'video' else ''}"
-                 f"x{cfg.get('images_per_request')}, max {summary.max_slope:g} MB/1k")
+    axes[0][0].set_title(f"RSS soak {verdict}: {summary.requests} requests, "
+                         f"c={cfg.get('concurrency')}, {cfg.get('image_size')}px "
+                         f"{'video ' if cfg.get('workload') == 'video' else ''}"
+                         f"x{cfg.get('images_per_request')}, max {summary.max_slope:g} MB/1k")
     ax.set_ylabel("RSS (MB)")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small", loc="best")
     if has_mm:
-        mm = axes[1][0]
+        mm = axes[-1][0]
         points = [(s.requests, s.mm_inflight_mb) for s in samples if s.mm_inflight_mb is not None]
         xs, ys = zip(*points, strict=True)
         mm.plot(xs, ys, linewidth=1, color="tab:purple", label="in-flight multimodal")

@@ -166,6 +166,7 @@ def run_soak(config: SoakConfig, on_sample: Callable[[RssSampler], None] | None 
         budget_mb=budget_mb,
         interrupted=interrupted,
         config=config.to_dict(),
+        plans_mb={role: nbytes / MB for role, nbytes in sampler.plan_bytes.items()},
     )
     summary.files = {"csv": str(out_dir / "samples.csv"), "png": str(out_dir / "rss.png"),
                      "json": str(out_dir / "summary.json")}

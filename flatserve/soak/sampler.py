@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import httpx
 import psutil
 
-from flatserve.soak.metrics import parse_mm_metrics
+from flatserve.soak.metrics import parse_mm_metrics, parse_plan_totals
 from flatserve.soak.processes import Target
 
 MB = 1 << 20
@@ -45,6 +45,7 @@ class RssSampler:
         self.uss_every = uss_every
         self.samples: list[Sample] = []
         self.budget_bytes: float | None = None
+        self.plan_bytes: dict[str, float] = {}  # each process's memory plan, by role
         self._metrics_url = metrics_url
         self._http = httpx.Client(timeout=min(2.0, max(0.5, interval_s)), headers=headers)
         self._t0 = time.monotonic()
@@ -97,6 +98,7 @@ class RssSampler:
         if response.status_code != 200:
             return None
         metrics = parse_mm_metrics(response.text)
+        self.plan_bytes = parse_plan_totals(response.text) or self.plan_bytes
         if metrics.budget_bytes is not None:
             self.budget_bytes = metrics.budget_bytes
         return None if metrics.inflight_bytes is None else metrics.inflight_bytes / MB

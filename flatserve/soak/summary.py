@@ -25,6 +25,7 @@ class ProcessSummary:
     slope_mb_per_1k: float | None  # None: too few samples after the warm-up to fit
     slope_stderr_mb_per_1k: float | None = None  # the slope's standard error (see slope_stderr)
     peak_uss_mb: float | None = None
+    plan_mb: float | None = None  # the server's memory plan for this process (its /metrics)
     exited: bool = False
     passed: bool = True
 
@@ -138,12 +139,21 @@ def summarize(
     budget_mb: float | None = None,
     interrupted: bool = False,
     config: dict | None = None,
+    plans_mb: dict[str, float] | None = None,
 ) -> Summary:
+    """`plans_mb`: each process's memory plan by role; a process whose peak RSS goes above
+    its plan fails."""
     warmup = warmup_requests(stats.finished, warmup_share)
     reasons: list[str] = []
     summaries = []
     for role, pid, exited in processes:
         summary = summarize_process(role, pid, samples, warmup, exited)
+        summary.plan_mb = (plans_mb or {}).get(role)
+        if summary.plan_mb is not None and summary.peak_mb is not None \
+                and summary.peak_mb > summary.plan_mb:
+            reasons.append(f"{role}: peak RSS {summary.peak_mb:.1f} MB is above its memory plan "
+                           f"{summary.plan_mb:.1f} MB")
+            summary.passed = False
         if exited:
             reasons.append(f"{role} (pid {pid}) exited during the run")
             summary.passed = False
@@ -194,15 +204,15 @@ def _mb(value: float | None) -> str:
 
 
 def format_table(summary: Summary) -> str:
-    header = ("process", "pid", "idle MB", "warm MB", "peak MB", "final MB", "MB/1k req",
-              "± se", "result")
+    header = ("process", "pid", "idle MB", "warm MB", "peak MB", "plan MB", "final MB",
+              "MB/1k req", "± se", "result")
     rows = [header]
     for p in summary.processes:
         slope = "-" if p.slope_mb_per_1k is None else f"{p.slope_mb_per_1k:+.2f}"
         stderr = "-" if p.slope_stderr_mb_per_1k is None else f"{p.slope_stderr_mb_per_1k:.2f}"
         result = "ok" if p.passed else ("EXITED" if p.exited else "FAIL")
         rows.append((p.role, str(p.pid), _mb(p.idle_mb), _mb(p.warm_mb), _mb(p.peak_mb),
-                     _mb(p.final_mb), slope, stderr, result))
+                     _mb(p.plan_mb), _mb(p.final_mb), slope, stderr, result))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
                        for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
@@ -216,6 +226,9 @@ def format_table(summary: Summary) -> str:
     lines.append(f"slope fitted after the first {s.warmup_requests} requests; "
                  f"limit {s.max_slope:g} MB per 1,000 requests; se: the slope's standard "
                  "error (sampling noise)")
+    if any(p.plan_mb is not None for p in s.processes):
+        lines.append("plan: the server's memory plan for the process (its RSS ceiling); a peak "
+                     "above it fails")
     if s.mm_inflight_peak_mb is not None or s.budget_mb is not None:
         budget = "" if s.budget_mb is None else f" (budget {s.budget_mb:.1f} MB)"
         lines.append(f"in-flight multimodal peak {_mb(s.mm_inflight_peak_mb)} MB{budget}")

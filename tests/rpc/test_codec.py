@@ -21,6 +21,7 @@ from rpc.codec import (
     encode,
     peek_request_id,
 )
+from shared.memory_plan import MemoryPart, MemoryPlan
 from shared.messages import (
     AbortRequests,
     AddRequest,
@@ -49,6 +50,9 @@ def test_every_message_round_trips() -> None:
         StepOutputs([RequestOutput("a", [5], None, 3, 1),
                      RequestOutput("b", [], "error", 2, 0, "too long", ErrorCode.REJECTED)], stats),
         StepOutputs([], None),
+        StepOutputs([], stats, memory_plan=MemoryPlan(
+            "engine 0", (MemoryPart("weights", 25 << 20, "parameters"),
+                         MemoryPart("kv cache", 1 << 28, "")))),
     ):
         back = decode(encode(message))
         assert type(back) is type(message)

@@ -25,3 +25,17 @@ def test_zero_is_a_value_not_absent():
 def test_absent_or_garbage():
     assert parse_mm_metrics("other 1\n").inflight_bytes is None
     assert parse_mm_metrics("}{ not prometheus").inflight_bytes is None
+
+
+def test_memory_plan_totals_by_process():
+    from flatserve.soak.metrics import parse_plan_totals
+
+    text = TEXT + """# TYPE flatserve_memory_plan_total_bytes gauge
+flatserve_memory_plan_total_bytes{process="api"} 1048576.0
+flatserve_memory_plan_total_bytes{process="engine 0"} 2097152.0
+# TYPE flatserve_memory_plan_bytes gauge
+flatserve_memory_plan_bytes{part="runtime",process="api"} 1048576.0
+"""
+    assert parse_plan_totals(text) == {"api": 1 << 20, "engine 0": 2 << 20}
+    assert parse_plan_totals(TEXT) == {}
+    assert parse_plan_totals("garbage {{") == {}

@@ -50,3 +50,14 @@ def test_png_is_written(tmp_path):
     write_plot(tmp_path / "rss.png", samples, summary)
     with Image.open(tmp_path / "rss.png") as image:
         assert image.format == "PNG" and image.size[0] > 500
+
+
+def test_the_plot_gains_a_panel_with_each_plan_as_a_line(tmp_path):
+    samples, summary = run_data()
+    write_plot(tmp_path / "without.png", samples, summary)
+    summary.process("api").plan_mb = 120.0
+    summary.process("engine 0").plan_mb = 900.0
+    write_plot(tmp_path / "with.png", samples, summary)
+    with Image.open(tmp_path / "without.png") as without, \
+            Image.open(tmp_path / "with.png") as with_plans:
+        assert with_plans.size[1] > without.size[1]

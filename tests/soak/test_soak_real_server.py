@@ -38,6 +38,8 @@ def test_soak_passes_on_flatserve(tmp_path, preset):
     assert summary.errors == 0
     roles = {p.role for p in summary.processes}
     assert {"api", "engine 0"} <= roles
+    for process in summary.processes:  # each inside the plan the server stated
+        assert process.plan_mb is not None and process.peak_mb <= process.plan_mb
 
 
 @pytest.mark.slow
@@ -57,6 +59,22 @@ def test_soak_fails_when_a_wrapper_keeps_the_payload(tmp_path):
     assert summary.errors == 0, summary.error_messages[:3]  # it fails on memory, not errors
     api = summary.process("api")
     assert api.slope_mb_per_1k > SHORT_RUN["max_slope"]
+
+
+@pytest.mark.slow
+def test_soak_fails_a_process_above_its_memory_plan(tmp_path):
+    """The API states a plan with its budgets shrunk to nothing and admits by its real ones:
+    the load takes it above its plan, and the soak fails it for that alone."""
+    unbudgeted = (sys.executable, "-m", "tests.soak.unbudgeted_plan_serve", "serve")
+    config = {**SHORT_RUN, "requests": 120, "max_slope": 10_000.0}
+    summary = run_soak(SoakConfig(out=str(tmp_path), server_command=unbudgeted, **config))
+    assert not summary.passed
+    assert summary.errors == 0, summary.error_messages[:3]
+    api, engine = summary.process("api"), summary.process("engine 0")
+    assert api.peak_mb > api.plan_mb and not api.passed
+    assert engine.passed and engine.peak_mb <= engine.plan_mb
+    assert summary.reasons == [f"api: peak RSS {api.peak_mb:.1f} MB is above its memory plan "
+                               f"{api.plan_mb:.1f} MB"]
 
 
 @pytest.mark.slow

@@ -107,3 +107,22 @@ def test_slope_comes_with_its_standard_error():
     assert "± se" in table.splitlines()[0]
     api_line = next(line for line in table.splitlines() if line.startswith("api"))
     assert f"{api.slope_stderr_mb_per_1k:.2f}" in api_line
+
+
+def test_a_peak_above_its_memory_plan_fails_and_names_the_process():
+    plans = {"api": 150.0, "engine 0": 480.0}  # the engine peaks at 500 MB
+    summary = summarize(make_samples(), PROCS, stats(), max_slope=2.0, warmup_share=0.2,
+                        plans_mb=plans)
+    assert not summary.passed
+    assert summary.process("api").passed and summary.process("api").plan_mb == 150.0
+    assert not summary.process("engine 0").passed
+    assert summary.reasons == ["engine 0: peak RSS 500.0 MB is above its memory plan 480.0 MB"]
+    table = format_table(summary)
+    assert "plan MB" in table.splitlines()[0]
+    assert "480.0" in table.splitlines()[3] and "FAIL" in table.splitlines()[3]
+
+
+def test_peaks_within_their_plans_pass():
+    summary = summarize(make_samples(), PROCS, stats(), max_slope=2.0, warmup_share=0.2,
+                        plans_mb={"api": 150.0, "engine 0": 500.0})
+    assert summary.passed, summary.reasons
