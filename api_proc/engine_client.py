@@ -437,6 +437,7 @@ _ERRORS: dict[int, tuple[type[HTTPError], str]] = {
     ErrorCode.REJECTED: (BadRequest, "engine_rejected"),
     ErrorCode.BUSY: (EngineUnavailable, "engine_busy"),
     ErrorCode.STOPPING: (EngineUnavailable, "engine_stopping"),
+    ErrorCode.DROPPED: (EngineUnavailable, "engine_dropped_request"),
     # caught by image_resubmit.py, which sends the request again with its pixels
     ErrorCode.IMAGE_MISSING: (EngineFailed, "image_missing"),
 }

@@ -6,7 +6,8 @@ sends the step's outputs itself (`send_step`), one StepOutputs per API process: 
 no wake of another thread. The thread receives: it answers pings at once, with the stats
 the busy loop last published, so a long model step never looks like a dead engine, and it
 aborts the requests of an API process that has gone silent for `peer_timeout_s` (the API
-pings several times a second). Both threads use the socket under one lock (what zmq asks
+pings several times a second); if that process speaks again, each of those requests ends
+with ErrorCode.DROPPED, so none waits on an engine that forgot it. Both threads use the socket under one lock (what zmq asks
 of a socket shared by threads); the thread waits on the socket's file descriptor, outside
 the lock.
 
@@ -57,6 +58,7 @@ log = logging.getLogger(__name__)
 MAX_RECV_PER_WAKE = 1024
 MAX_PENDING_PER_PEER = 1000  # steps waiting for a peer whose pipe stays full: it is not reading
 MAX_KEY_NEWS = 4096  # key changes kept for one API process before it gets all keys instead
+MAX_DROPPED_PEERS = 16  # API processes whose aborted requests are kept to tell them, if back
 
 
 class _KeyNews:
@@ -106,6 +108,8 @@ class EngineServer:
         self._pending: dict[bytes, deque[list[Any]]] = {}  # frames waiting for room
         self._cache_keys: set[bytes] = set()  # the engine's encoder cache keys, as posted
         self._key_news: dict[bytes, _KeyNews] = {}  # per API process, not sent yet
+        # per dropped API process, oldest first: (why, the requests aborted), told if it returns
+        self._dropped: dict[bytes, tuple[str, list[str]]] = {}
 
     # ---- the busy loop's side ---------------------------------------------------------
 
@@ -213,6 +217,7 @@ class EngineServer:
             peer = frames[0].bytes
             if peer not in self._last_seen:  # a new API process: it first hears every key
                 self._key_news[peer] = _KeyNews(True, list(self._cache_keys))
+                self._tell_dropped(sock, peer)
             self._last_seen[peer] = time.monotonic()
             try:
                 message = decode(frames[1:])
@@ -316,6 +321,18 @@ class EngineServer:
             if not pending and self._pending.get(peer) is pending:
                 del self._pending[peer]
 
+    def _tell_dropped(self, sock: zmq.Socket, peer: bytes) -> None:
+        """An API process that was dropped (silent, or not reading) speaks again: it still
+        counts the requests aborted then as running, so each ends now with an error (their
+        streams would otherwise wait, holding their image budget, until their clients gave
+        up)."""
+        reason, ids = self._dropped.pop(peer, ("", []))
+        if ids:
+            error = f"aborted: this API process was {reason}"
+            self._post(sock, peer, StepOutputs(
+                [RequestOutput(r, [], "error", error=error, error_code=ErrorCode.DROPPED)
+                 for r in ids], self.stats))
+
     def _reap_silent_peers(self) -> None:
         now = time.monotonic()
         for peer, seen in list(self._last_seen.items()):
@@ -329,6 +346,10 @@ class EngineServer:
             for request_id in ids:
                 del self._owner[request_id]
             self._command(AbortRequests(ids))
+            self._dropped.pop(peer, None)
+            self._dropped[peer] = (reason, ids)
+            while len(self._dropped) > MAX_DROPPED_PEERS:
+                del self._dropped[next(iter(self._dropped))]
         self._pending.pop(peer, None)
         self._last_seen.pop(peer, None)
         self._key_news.pop(peer, None)

@@ -30,6 +30,7 @@ class ErrorCode(IntEnum):
     INTERNAL = 4  # the model step failed: 500
     IMAGE_MISSING = 5  # an image sent without pixels is not in the encoder cache (any more):
     #                    the API sends the request again with the pixels; never reaches a client
+    DROPPED = 6  # the engine aborted it when its API process went silent or stopped reading: 503
 
 
 # ---- API -> engine ------------------------------------------------------------------------

@@ -286,3 +286,35 @@ def test_two_engines_share_the_load(tmp_path):
         assert sum(finished) == 8 and min(finished) >= 2, finished
     finally:
         proc.stop()
+
+
+def test_a_paused_api_process_ends_the_streams_its_engine_dropped(tmp_path):
+    """Stopped past the engine's 3 s peer timeout (SIGSTOP here; an event loop starved of
+    CPU alike), the API process comes back to an engine that aborted its requests: each
+    stream ends with a 503 error event instead of waiting for its client to give up, and
+    the server keeps serving."""
+    proc = ServerProcess(log_path=tmp_path / "server.log").wait_ready()
+    try:
+        body = {"model": httpx.get(proc.url + "/v1/models").json()["data"][0]["id"],
+                "messages": [{"role": "user", "content": "tell me a long story"}],
+                "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        events = []
+        with httpx.stream("POST", proc.url + "/v1/chat/completions", json=body,
+                          timeout=httpx.Timeout(30.0)) as response:
+            lines = response.iter_lines()
+            events.append(next(line for line in lines if line.startswith("data:")))
+            os.kill(proc.process.pid, signal.SIGSTOP)
+            time.sleep(4.5)
+            os.kill(proc.process.pid, signal.SIGCONT)
+            started = time.monotonic()
+            events += [line for line in lines if line.startswith("data:")]
+            ended_in = time.monotonic() - started
+        errors = [e for e in events if '"error"' in e]
+        assert errors and "engine_dropped_request" in errors[-1], events[-3:]
+        assert ended_in < 15, proc.log_tail()
+        reply = httpx.post(proc.url + "/v1/chat/completions", timeout=30,
+                           json={**body, "stream": False, "max_tokens": 4})
+        assert reply.status_code == 200, reply.text
+    finally:
+        os.kill(proc.process.pid, signal.SIGCONT)
+        assert proc.stop() == 0, proc.log_tail()

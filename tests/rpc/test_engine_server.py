@@ -170,6 +170,29 @@ def test_a_silent_api_process_has_its_requests_aborted(server, peer) -> None:
     assert aborts and sorted(aborts[0].request_ids) == ["a", "b"]
 
 
+def test_an_api_process_back_from_silence_hears_its_requests_ended(server) -> None:
+    """Paused past the timeout (SIGSTOP, a starved event loop), the API process still counts
+    its requests as running: the engine ends each with DROPPED when it speaks again."""
+    server.peer_timeout_s = 0.3
+    paused = Peer(server.address)
+    try:
+        paused.send(add("a"))
+        paused.send(add("b"))
+        commands(server, 2)
+        aborts = commands(server, 1, timeout_s=3.0)  # silent past the timeout: aborted
+        assert sorted(aborts[0].request_ids) == ["a", "b"]
+        paused.send(Ping())  # back
+        ended = paused.recv()
+        assert sorted((o.request_id, o.finish_reason, o.error_code) for o in ended.outputs) == [
+            ("a", "error", ErrorCode.DROPPED), ("b", "error", ErrorCode.DROPPED)]
+        assert "silent" in ended.outputs[0].error
+        assert paused.recv().outputs == []  # then the ping's answer, and nothing more
+        paused.send(Ping())
+        assert paused.recv().outputs == []
+    finally:
+        paused.close()
+
+
 def test_a_step_posted_before_stop_is_delivered() -> None:
     with IpcDir() as d:
         server = EngineServer(d.address("engine"), max_requests=3)
