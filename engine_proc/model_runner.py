@@ -106,7 +106,7 @@ class ModelRunner:
         max_model_len: int = 0,
         ssm_state_dtype: str | None = None,
         state_snapshot_bytes: int = 0,
-        pack_weights: bool = True,
+        pack_weights: bool = False,
     ):
         """tensor_parallel_size > 1: this runner is rank 0 and starts the other ranks
         (engine_proc/tensor_parallel.py; `tp_label` names them); vision=False: a worker
@@ -118,8 +118,8 @@ class ModelRunner:
         recurrent state dtype (None or "auto": the checkpoint's, float32 as published).
         `state_snapshot_bytes`: states kept for prefix caching (engine_proc/state_snapshots.py),
         -1 for one per slot; from the budget after the slots, fewer if it is short.
-        `pack_weights`: on a CPU in float32, linear layers run through oneDNN on weights
-        packed once (engine_proc/layers/packed_linear.py)."""
+        `pack_weights` (--pack-weights): on a CPU in float32, linear layers run through oneDNN
+        on weights packed once (engine_proc/layers/packed_linear.py)."""
         self.config = config
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, config)

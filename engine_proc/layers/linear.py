@@ -11,8 +11,8 @@ layer); each rank's partial products are summed over the ranks.
 Split layers name the part of a checkpoint tensor they hold (`checkpoint_slice`), so the
 loader reads only that part from the file.
 
-`store_weights_transposed` re-lays out loaded Linear weights for CPU GEMMs; an engine on a
-CPU in float32 then packs them for oneDNN (packed_linear.py).
+`store_weights_transposed` re-lays out loaded Linear weights for CPU GEMMs; with
+--pack-weights an engine on a CPU in float32 then packs them for oneDNN (packed_linear.py).
 """
 
 from __future__ import annotations

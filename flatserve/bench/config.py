@@ -50,7 +50,7 @@ class BenchConfig:
     baseline_args: tuple[str, ...] = opt(
         (), "also run the same load against a server started with these arguments added "
             "(e.g. '--no-enable-prefix-caching --encoder-cache-bytes 0'; one flag alone as "
-            "--baseline-args=--no-pack-weights), first, and print both side by side with "
+            "--baseline-args=--pack-weights), first, and print both side by side with "
             "ratios")
     peer_url: str | None = opt(None, "also measure this OpenAI-compatible server (e.g. vLLM at "
                                      "http://127.0.0.1:8200) with the same requests, in "

@@ -54,9 +54,9 @@ def test_bfloat16_and_unpacked_runner_keep_f_linear(tiny_model_path):
     layer = nn.Linear(8, 8).to(torch.bfloat16)
     assert pack_linear_weights(layer) == 0 and layer.weight is not None
     config = load_model_config(tiny_model_path)
-    off = ModelRunner(config, block_size=16, num_kv_blocks=8, device="cpu", dtype="float32",
-                      pack_weights=False)
-    on = ModelRunner(config, block_size=16, num_kv_blocks=8, device="cpu", dtype="float32")
+    off = ModelRunner(config, block_size=16, num_kv_blocks=8, device="cpu", dtype="float32")
+    on = ModelRunner(config, block_size=16, num_kv_blocks=8, device="cpu", dtype="float32",
+                     pack_weights=True)
     assert not any(n.endswith("packed_weight") for n, _ in off.model.named_buffers())
     packed = [n for n, _ in on.model.named_buffers() if n.endswith("packed_weight")]
     # every decoder and vision projection, and the (untied) LM head
