@@ -172,19 +172,16 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
         load.leave()
         metrics.count_request(endpoint, status)
 
-    async def _handle(endpoint: str, request: Request,
-                      prepare: Callable[[RequestBody, float], Awaitable[Prepared]]) -> Response:
-        arrival = time.monotonic()
-        metrics.num_preparing.inc()
+    async def read_and_run(endpoint: str, request: Request,
+                           work: Callable[[RequestBody], Awaitable[Any]]) -> Any:
+        """Read the body and run `work(body)` until the client goes: its result, or the
+        counted error response (an HTTPError, or 499 when the client left). The body's
+        admission bytes that `work` did not take over are released either way (R1, R4)."""
         body = None
         try:
             # The body is read before the disconnect watcher starts: both would receive().
             body = await bodies.read(request)
-            prepared = await run_until_disconnect(request, prepare(body, arrival))
-            if config.enable_log_requests:
-                logger.info("request %s (%s): %d prompt tokens, %d choices, stream %s",
-                            prepared.id, endpoint, prepared.num_prompt_tokens,
-                            len(prepared.choices), prepared.stream)
+            return await run_until_disconnect(request, work(body))
         except HTTPError as e:
             metrics.count_request(endpoint, e.status)
             return error_response(e, close=body is None)
@@ -192,10 +189,25 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
             metrics.count_request(endpoint, 499)
             return Response(status_code=499)
         finally:
-            metrics.num_preparing.dec()
             if body is not None:
-                body.release()  # admission bytes the pipeline did not take over
+                body.release()
             body = None
+
+    async def _handle(endpoint: str, request: Request,
+                      prepare: Callable[[RequestBody, float], Awaitable[Prepared]]) -> Response:
+        arrival = time.monotonic()
+        metrics.num_preparing.inc()
+        try:
+            prepared = await read_and_run(endpoint, request,
+                                          lambda body: prepare(body, arrival))
+        finally:
+            metrics.num_preparing.dec()
+        if isinstance(prepared, Response):
+            return prepared
+        if config.enable_log_requests:
+            logger.info("request %s (%s): %d prompt tokens, %d choices, stream %s",
+                        prepared.id, endpoint, prepared.num_prompt_tokens,
+                        len(prepared.choices), prepared.stream)
         if prepared.stream:
             return responses.stream(prepared, functools.partial(count_end, endpoint))
         try:
@@ -240,20 +252,9 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
     tokenization = Tokenization(serving)
 
     async def tokenization_route(endpoint: str, request: Request, work) -> Response:
-        body = None
-        try:
-            body = await bodies.read(request)
-            result = await run_until_disconnect(request, work(body))
-        except HTTPError as e:
-            metrics.count_request(endpoint, e.status)
-            return error_response(e, close=body is None)
-        except ClientGone:
-            metrics.count_request(endpoint, 499)
-            return Response(status_code=499)
-        finally:
-            if body is not None:
-                body.release()
-            body = None
+        result = await read_and_run(endpoint, request, work)
+        if isinstance(result, Response):
+            return result
         metrics.count_request(endpoint, 200)
         return JSONResponse(result)
 
