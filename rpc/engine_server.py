@@ -7,9 +7,9 @@ no wake of another thread. The thread receives: it answers pings at once, with t
 the busy loop last published, so a long model step never looks like a dead engine, and it
 aborts the requests of an API process that has gone silent for `peer_timeout_s` (the API
 pings several times a second); if that process speaks again, each of those requests ends
-with ErrorCode.DROPPED, so none waits on an engine that forgot it. Both threads use the socket under one lock (what zmq asks
-of a socket shared by threads); the thread waits on the socket's file descriptor, outside
-the lock.
+with ErrorCode.DROPPED, so none waits on an engine that forgot it. Both threads use the
+socket under one lock (what zmq asks of a socket shared by threads); the thread waits on
+the socket's file descriptor, outside the lock.
 
 Encoder cache keys: the busy loop posts, with each step, the keys its encoder cache added and
 removed; every API process learns them with its next message from here (a reply to its
@@ -95,7 +95,8 @@ class EngineServer:
         self.max_requests = max_requests
         self.peer_timeout_s = peer_timeout_s
         self.stats: EngineStats | None = None  # published by the busy loop, read here
-        self.memory_plan: MemoryPlan | None = None  # set once before start, sent with pongs
+        self.memory_plan: MemoryPlan | None = None  # set once before start, sent with the
+        #                                           first answer to each API process's ping
         self._commands: queue.SimpleQueue[AddRequest | AbortRequests] = queue.SimpleQueue()
         self._has_commands = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
@@ -110,6 +111,7 @@ class EngineServer:
         self._key_news: dict[bytes, _KeyNews] = {}  # per API process, not sent yet
         # per dropped API process, oldest first: (why, the requests aborted), told if it returns
         self._dropped: dict[bytes, tuple[str, list[str]]] = {}
+        self._plan_told: set[bytes] = set()  # API processes that have the memory plan
 
     # ---- the busy loop's side ---------------------------------------------------------
 
@@ -237,7 +239,9 @@ class EngineServer:
                     del self._owner[request_id]
                 self._command(AbortRequests(ids))
             elif kind is Ping:
-                self._post(sock, peer, StepOutputs([], self.stats, memory_plan=self.memory_plan))
+                plan = None if peer in self._plan_told else self.memory_plan
+                self._plan_told.add(peer)
+                self._post(sock, peer, StepOutputs([], self.stats, memory_plan=plan))
             else:
                 log.warning("unexpected %s from %s ignored", kind.__name__, peer.hex())
             message = None  # R1: the busy loop holds the request now
@@ -353,3 +357,4 @@ class EngineServer:
         self._pending.pop(peer, None)
         self._last_seen.pop(peer, None)
         self._key_news.pop(peer, None)
+        self._plan_told.discard(peer)
