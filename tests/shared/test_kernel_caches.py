@@ -49,4 +49,6 @@ def test_bf16_matmuls_over_new_shapes_stay_flat_with_the_engine_settings(monkeyp
         pytest.skip("no oneDNN in this torch build: no kernel cache to bound")
     monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
     monkeypatch.delenv("LRU_CACHE_CAPACITY", raising=False)
-    assert growth_mb() < 40  # ~320 MB with oneDNN's default caches
+    # ~320 MB with oneDNN's default caches; 2-5 MB bounded on a quiet machine, up to ~50
+    # with a test suite beside it (the allocator's arenas): the bound tells the two apart
+    assert growth_mb() < 120
