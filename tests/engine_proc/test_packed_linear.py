@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_proc.layers.linear import MergedLinear, RowParallelLinear
-from engine_proc.layers.packed_linear import can_pack, pack_linear_weights
+from engine_proc.layers.packed_linear import bucket_rows, can_pack, pack_linear_weights
 from engine_proc.model_runner import ModelRunner
 from shared.model_config import load_model_config
 
@@ -67,3 +67,28 @@ def test_bfloat16_and_unpacked_runner_keep_f_linear(tiny_model_path):
     with torch.inference_mode():
         torch.testing.assert_close(on.model.compute_logits(hidden),
                                    off.model.compute_logits(hidden), rtol=1e-4, atol=1e-4)
+
+
+def test_row_counts_fall_in_few_buckets_with_little_padding():
+    """oneDNN builds a kernel per row count; a serving engine's steps see thousands of them.
+    Rounded up to their bucket, rows 1..16384 need 32 + 16 per octave kernels, each padded
+    by at most 1/16."""
+    buckets = {bucket_rows(rows) for rows in range(1, 16385)}
+    assert len(buckets) == 32 + 16 * 9
+    for rows in range(1, 16385):
+        assert rows <= bucket_rows(rows) <= rows * 17 / 16
+    assert [bucket_rows(r) for r in (31, 33, 100, 1000, 4160)] == [31, 34, 100, 1024, 4352]
+
+
+@pytest.mark.parametrize("shape", [(33, 48), (3, 37, 48), (1000, 48)])
+def test_padded_row_counts_compute_f_linear(shape):
+    torch.manual_seed(1)
+    layer = nn.Linear(48, 24)
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        expected = layer(x)
+    pack_linear_weights(layer)
+    with torch.inference_mode():
+        out = layer(x)
+    assert out.shape == expected.shape and out.is_contiguous()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
