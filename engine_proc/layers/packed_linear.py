@@ -60,7 +60,7 @@ ROW_BITS = 5  # significant bits kept of a row count (see the module doc)
 
 
 def bucket_rows(rows: int) -> int:
-    """`rows` rounded up to ROW_BITS significant bits: 33 -> 34, 100 -> 104, 1000 -> 1024."""
+    """`rows` rounded up to ROW_BITS significant bits: 33 -> 34, 101 -> 104, 1000 -> 1024."""
     shift = rows.bit_length() - ROW_BITS
     if shift <= 0:
         return rows
