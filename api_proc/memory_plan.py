@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from api_proc.config import ApiConfig
 from api_proc.request_body import BODY_ADMISSION_MIN_BYTES
+from shared.engine_config import EngineConfig
 from shared.memory import API_MALLOC_ENV
 from shared.memory_plan import MemoryPart, MemoryPlan
 
@@ -38,6 +39,10 @@ class EngineCapacity:
 
     max_num_seqs: int
     max_requests: int
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> EngineCapacity:
+        return cls(config.max_num_seqs, config.max_num_seqs + config.max_waiting)
 
 
 def api_plan(config: ApiConfig, engines: Sequence[EngineCapacity], start_rss: int) -> MemoryPlan:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from rpc.engine_server import MAX_PENDING_PER_PEER
 from shared.engine_config import EngineConfig
+from shared.memory import ENGINE_MALLOC_ENV
 from shared.memory_plan import MemoryPart, MemoryPlan
 from shared.model_config import ModelConfig
 
@@ -31,8 +32,9 @@ OUTPUT_WIRE_BYTES = 128
 KERNEL_CACHES_BYTES = 100 * 10**6
 # glibc: the dynamic mmap threshold rises to at most 32 MiB on 64-bit, and the trim threshold
 # follows it at twice that, so each arena may keep up to 64 MiB freed at its top before
-# giving it back; engines run with MALLOC_ARENA_MAX=2.
-ALLOCATOR_SLACK_BYTES = 2 * 64 * 2**20
+# giving it back; engines run with ENGINE_MALLOC_ENV's MALLOC_ARENA_MAX arenas.
+ARENAS = int(ENGINE_MALLOC_ENV["MALLOC_ARENA_MAX"])
+ALLOCATOR_SLACK_BYTES = ARENAS * 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -140,7 +142,8 @@ def engine_plan(process: str, config: EngineConfig, model: ModelConfig, sizes: E
                    "(max seqs + max waiting) x max len x 36 B"),
         MemoryPart("wire buffers", MAX_PENDING_PER_PEER * sizes.max_num_seqs * OUTPUT_WIRE_BYTES,
                    "steps queued to a slow API process"),
-        MemoryPart("allocator slack", ALLOCATOR_SLACK_BYTES, "2 arenas x 64 MiB trim threshold"),
+        MemoryPart("allocator slack", ALLOCATOR_SLACK_BYTES,
+                   f"{ARENAS} arenas x 64 MiB trim threshold"),
     ]
     return MemoryPlan(process, tuple(parts))
 

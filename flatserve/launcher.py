@@ -233,12 +233,9 @@ def memory_plans(config: ApiConfig, configs: list[EngineConfig],
     """The API's plan, measured now (the app built, the tokenizer loaded), then each spawned
     engine's. Engines started elsewhere count with EngineConfig's default capacity in the
     API's plan; their own plans belong to their hosts."""
-    capacities = [EngineCapacity(c.max_num_seqs, c.max_num_seqs + c.max_waiting) for c in configs]
+    capacities = [EngineCapacity.of(c) for c in configs]
     if not configs:
-        default = EngineConfig()
-        capacities = [EngineCapacity(default.max_num_seqs,
-                                     default.max_num_seqs + default.max_waiting)
-                      ] * len(config.engine_addresses)
+        capacities = [EngineCapacity.of(EngineConfig())] * len(config.engine_addresses)
     api = api_plan(config, capacities, psutil.Process().memory_info().rss)
     return [api, *(h.memory_plan for h in handles if h.memory_plan is not None)]
 

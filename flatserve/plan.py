@@ -59,7 +59,7 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"flatserve plan: {e}", file=sys.stderr)
         return 2
     build_app(config)  # the API's runtime: its code and the tokenizer
-    capacities = [EngineCapacity(e.max_num_seqs, e.max_num_seqs + e.max_waiting) for e in engines]
+    capacities = [EngineCapacity.of(e) for e in engines]
     plans = [api_plan(config, capacities, _rss()), *_engine_plans(engines, model_config)]
     print(format_table(plans))
     limit = memory_limit(args.host_memory_limit)

@@ -41,9 +41,6 @@ class MemoryPlan:
     def total(self) -> int:
         return sum(p.nbytes for p in self.parts)
 
-    def without(self, name: str) -> MemoryPlan:
-        return MemoryPlan(self.process, tuple(p for p in self.parts if p.name != name))
-
 
 def largest_parts(plans: Sequence[MemoryPlan], n: int = 3) -> list[tuple[str, MemoryPart]]:
     everything = [(plan.process, part) for plan in plans for part in plan.parts]
