@@ -21,7 +21,7 @@ MAX_DEFAULT_WARMUP = 8
 # what the JSON output records of the run's settings (never the API key)
 SETTINGS = ("workload", "num_requests", "warmup_requests", "prompt_len",
             "prompt_len_range", "output_len", "output_len_range", "image_size",
-            "images_per_request", "image_share", "turns", "video_frames", "temperature",
+            "images_per_request", "distinct_images", "image_share", "turns", "video_frames", "temperature",
             "ignore_eos", "extra_body", "concurrency", "request_rate", "seed", "rounds")
 
 
@@ -43,6 +43,9 @@ class BenchConfig:
     output_len_range: float = opt(0.0, "draw max_tokens uniformly in [len*(1-r), len*(1+r)]")
     image_size: int = opt(448, "side of the square generated images, in pixels")
     images_per_request: int = opt(1, "images in each image request")
+    distinct_images: int = opt(0, "draw the run's images (or clips) from a set of this many, "
+                                  "so that a server's caches can hit after the first use of "
+                                  "each (0: every request and slot its own)")
     image_share: float = opt(0.5, "share of requests with images in the mixed workload")
     video_frames: int = opt(16, "frames of each generated clip in the video workload (H.264, "
                                 "4 fps, --image-size square; a distinct clip per request)")
@@ -128,7 +131,7 @@ class BenchConfig:
         if self.baseline_args and self.base_url is not None:
             raise ValueError("baseline_args start a second server; they make no sense with "
                              "base_url")
-        for name in ("images_per_request", "warmup_requests"):
+        for name in ("images_per_request", "distinct_images", "warmup_requests"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.workload != "text" and self.images_per_request < 1:
@@ -223,6 +226,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     add("--output-len-range", "output_len_range", type=float, metavar="R")
     add("--image-size", "image_size", type=int, metavar="PIXELS")
     add("--images-per-request", "images_per_request", type=int, metavar="N")
+    add("--distinct-images", "distinct_images", type=int, metavar="N")
     add("--image-share", "image_share", type=float, metavar="F")
     add("--video-frames", "video_frames", type=int, metavar="N")
     add("--turns", "turns", type=int, metavar="N")

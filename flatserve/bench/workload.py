@@ -62,6 +62,10 @@ def _body(config: BenchConfig, model: str, messages: list[dict], max_tokens: int
     return json.dumps(body).encode()
 
 
+def _variant(config: BenchConfig, slot: int) -> int:
+    return slot % config.distinct_images if config.distinct_images else slot
+
+
 def build_body(config: BenchConfig, model: str, plan: RequestPlan,
                pool: ImagePool | VideoPool | None) -> bytes:
     if plan.num_images == 0:
@@ -70,9 +74,11 @@ def build_body(config: BenchConfig, model: str, plan: RequestPlan,
         assert pool is not None
         k = plan.num_images
         kind = "video" if isinstance(pool, VideoPool) else "image"
-        # a distinct image (or clip) per request and slot: no cache on the server can help
+        # a distinct image (or clip) per request and slot, so that no cache on the server can
+        # help, unless --distinct-images bounds the set
         content = [{"type": f"{kind}_url",
-                    f"{kind}_url": {"url": pool.variant(plan.index * k + j).data_url()}}
+                    f"{kind}_url": {"url": pool.variant(_variant(config, plan.index * k + j))
+                                    .data_url()}}
                    for j in range(k)]
         content.append({"type": "text", "text": f"Request {plan.index}: describe the {kind}."})
     return _body(config, model, [{"role": "user", "content": content}], plan.output_len)
@@ -84,7 +90,7 @@ def build_conversation(config: BenchConfig, model: str, unit: int, pool: ImagePo
     turns = config.turns
     plans = [plan_request(config, unit * turns + t) for t in range(turns)]
     k = config.images_per_request
-    urls = [pool.variant(unit * k + j).data_url() for j in range(k)]
+    urls = [pool.variant(_variant(config, unit * k + j)).data_url() for j in range(k)]
     bodies = []
     for t, plan in enumerate(plans):
         messages = conversation_messages(

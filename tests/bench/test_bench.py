@@ -167,6 +167,18 @@ def test_bodies_are_deterministic_openai_and_unique():
     assert body["ignore_eos"] is True and body["top_k"] == 5
 
 
+def test_distinct_images_bounds_the_set_of_images():
+    config = parse_args(["--workload", "image", "--image-size", "32", "--images-per-request",
+                         "2", "--distinct-images", "3", "--no-progress"])
+    bodies = [json.loads(u[0]) for u in build_units(config, "m", range(6))]
+    urls = [[p["image_url"]["url"] for p in b["messages"][0]["content"]
+             if p["type"] == "image_url"] for b in bodies]
+    slots = [url for pair in urls for url in pair]
+    assert len(set(slots)) == 3 and slots[:3] == slots[3:6] == slots[6:9]
+    with pytest.raises(SystemExit):
+        parse_args(["--distinct-images", "-1"])
+
+
 def test_multi_turn_conversations_resend_their_image_and_history():
     config = parse_args(["--workload", "multi-turn", "--turns", "3", "--image-size", "32",
                          "--prompt-len", "6", "--output-len", "4", "--num-requests", "6",
