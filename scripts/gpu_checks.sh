@@ -94,7 +94,7 @@ run_soak() {  # 2048px, unique images, 10% disconnects
 export -f model run_env run_tests run_e2e run_moe run_bench run_bench3b run_soak
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(env tests e2e moe bench bench3b soak)
-declare -A LIMIT=([env]=60 [tests]=100 [e2e]=150 [moe]=60 [bench]=80 [bench3b]=200
+declare -A LIMIT=([env]=60 [tests]=100 [e2e]=300 [moe]=60 [bench]=80 [bench3b]=200
                   [soak]=260)
 for s in "${steps[@]}"; do
     step "$s" "${LIMIT[$s]}" "run_$s"
