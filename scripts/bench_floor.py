@@ -13,7 +13,7 @@ path is (1.0: nothing but the kernels at full speed).
 - vision: one --image-size image through the vision tower (patch embedding to merger).
 
     python scripts/bench_floor.py --model DIR [--prompt-len 512] [--decode-batch 8]
-        [--image-size 448] [--dtype float32] [--json out.json]
+        [--image-size 448] [--dtype float32] [--pack-weights] [--json out.json]
 """
 
 from __future__ import annotations
@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image-size", type=int, default=448)
     parser.add_argument("--repeats", type=int, default=REPEATS,
                         help="timed runs of each path after a first one (the best is kept)")
+    parser.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=False,
+                        help="run the engine with its linear layers packed for oneDNN "
+                             "(flatserve serve --pack-weights)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
 
@@ -103,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     p, b = args.prompt_len, args.decode_batch
     engine = LLMEngine(args.model, dtype=args.dtype, max_num_seqs=max(b, 1),
                        max_num_batched_tokens=max(p * b, 8192), enable_prefix_caching=False,
-                       encoder_cache_bytes=0, max_model_len=p + 64)
+                       encoder_cache_bytes=0, max_model_len=p + 64,
+                       pack_weights=args.pack_weights)
     model = engine.model_runner.model
     cfg = engine.config
     text = cfg.text
