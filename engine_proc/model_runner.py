@@ -24,6 +24,7 @@ import torch
 
 from engine_proc.distributed import all_reduce_min, tp_shard
 from engine_proc.encoder_cache import EncoderCache
+from engine_proc.layers import paged_decode_cpu
 from engine_proc.layers.packed_linear import pack_linear_weights
 from engine_proc.logits_adjustments import build_adjustments
 from engine_proc.models.registry import model_class
@@ -171,6 +172,8 @@ class ModelRunner:
             self.vision_threads = torch.get_num_threads() * tensor_parallel_size
         self.sampler = Sampler()
         self.structured = None  # StructuredOutputs, set by the engine
+        if not self.on_cuda and self.dtype == torch.float32:
+            paged_decode_cpu.kernel()  # built (or found) now, not in the first decode step
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
         self.state_cache = None
         if self.state_shape is not None:

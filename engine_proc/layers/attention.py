@@ -22,6 +22,10 @@ tokens to the longest costs 2.3x the per-sequence loop there (22 vs 9.5 ms a lay
 Elsewhere they are padded to the longest query and key range and masked, one SDPA call
 per layer.
 
+On a CPU in float32 the decodes skip the gather: engine_proc/layers/paged_decode_cpu.py reads
+each sequence's blocks in place (a small C kernel built on first use); where it cannot be
+built, or a head size is not a multiple of 8, they gather and run SDPA as above.
+
 The caches must not hold NaN/inf bit patterns (allocate them with torch.zeros, not
 torch.empty): padded gathers read slots past a sequence's end, masked out of the softmax,
 but 0 * NaN in the value product would still poison the output.
@@ -36,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_proc.context import Context
+from engine_proc.layers import paged_decode_cpu
 
 
 @dataclass
@@ -59,6 +64,8 @@ class _Part:
     end: int
     block_tables: torch.Tensor | None = None  # [B, num_blocks] clamped to valid ids
     mask: torch.Tensor | None = None  # additive, broadcast over heads
+    seq_lens: torch.Tensor | None = None  # int64 [B] keys of each sequence ("decode")
+    block_size: int = 0  # the KV cache's ("decode")
     token_slot: torch.Tensor | None = None  # [T] row of each token in [B * max_q_len] ("padded")
     num_seqs: int = 0
     max_q_len: int = 0
@@ -121,18 +128,29 @@ def _padded_part(
 def _decode_part(ctx: Context, num_seqs: int, block_size: int, dtype: torch.dtype) -> _Part:
     num_blocks = -(-ctx.max_seq_len // block_size)
     block_tables = ctx.block_tables[:num_seqs, :num_blocks].long().clamp(min=0)
-    keys = torch.arange(num_blocks * block_size, device=block_tables.device)
-    allowed = keys < ctx.seq_lens[:num_seqs].long()[:, None]
+    part = _Part("decode", 0, num_seqs, block_tables=block_tables,
+                 seq_lens=ctx.seq_lens[:num_seqs].long(), block_size=block_size,
+                 num_seqs=num_seqs)
+    if not _kernel_decodes(block_tables.device, dtype, block_size):
+        part.mask = _decode_mask(part, dtype)
+    return part
+
+
+def _kernel_decodes(device: torch.device, dtype: torch.dtype, block_size: int) -> bool:
+    """Whether decodes run the CPU paged kernel (it stops at each sequence's length and
+    needs no mask) rather than gather + SDPA; a layer whose head size the kernel does not
+    take builds the mask itself (`_decode_mask`)."""
+    return (device.type == "cpu" and dtype == torch.float32
+            and paged_decode_cpu.supports(8, block_size))
+
+
+def _decode_mask(part: _Part, dtype: torch.dtype) -> torch.Tensor:
+    """Additive [B, 1, 1, keys]: -inf past each sequence's length."""
+    keys = torch.arange(part.block_tables.shape[1] * part.block_size, device=part.seq_lens.device)
+    allowed = keys < part.seq_lens[:, None]
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     mask.masked_fill_(~allowed, float("-inf"))
-    return _Part(
-        "decode",
-        0,
-        num_seqs,
-        block_tables=block_tables,
-        mask=mask[:, None, None, :],
-        num_seqs=num_seqs,
-    )
+    return mask[:, None, None, :]
 
 
 def _sequence_part(ctx: Context, first_seq: int, start: int, block_size: int) -> _Part:
@@ -263,6 +281,12 @@ class Attention(nn.Module):
             )
             return out[0].transpose(0, 1)
         if part.kind == "decode":
+            if part.mask is None:  # see _kernel_decodes
+                if paged_decode_cpu.supports(self.head_dim, part.block_size):
+                    return paged_decode_cpu.paged_decode(
+                        q, self.k_cache, self.v_cache, part.block_tables, part.seq_lens,
+                        self.scale)
+                part.mask = _decode_mask(part, q.dtype)  # once, for the step's later layers
             # GQA without repeating keys: a kv head's query group acts as its query rows.
             group = self.num_heads // self.num_kv_heads
             out = F.scaled_dot_product_attention(
