@@ -125,23 +125,13 @@ def _padded_part(
     )
 
 
-def _decode_part(ctx: Context, num_seqs: int, block_size: int, dtype: torch.dtype) -> _Part:
+def _decode_part(ctx: Context, num_seqs: int, block_size: int) -> _Part:
     num_blocks = -(-ctx.max_seq_len // block_size)
     block_tables = ctx.block_tables[:num_seqs, :num_blocks].long().clamp(min=0)
-    part = _Part("decode", 0, num_seqs, block_tables=block_tables,
+    # no mask yet: the CPU kernel needs none; the first layer that gathers builds it
+    return _Part("decode", 0, num_seqs, block_tables=block_tables,
                  seq_lens=ctx.seq_lens[:num_seqs].long(), block_size=block_size,
                  num_seqs=num_seqs)
-    if not _kernel_decodes(block_tables.device, dtype, block_size):
-        part.mask = _decode_mask(part, dtype)
-    return part
-
-
-def _kernel_decodes(device: torch.device, dtype: torch.dtype, block_size: int) -> bool:
-    """Whether decodes run the CPU paged kernel (it stops at each sequence's length and
-    needs no mask) rather than gather + SDPA; a layer whose head size the kernel does not
-    take builds the mask itself (`_decode_mask`)."""
-    return (device.type == "cpu" and dtype == torch.float32
-            and paged_decode_cpu.supports(8, block_size))
 
 
 def _decode_mask(part: _Part, dtype: torch.dtype) -> torch.Tensor:
@@ -209,16 +199,16 @@ def build_attention_metadata(
         return AttentionMetadata(None, [_prefill_part(ctx, 0, 0, num_tokens, 0, dtype)])
     slots = ctx.slot_mapping
     if ctx.all_decode:
-        return AttentionMetadata(slots, [_decode_part(ctx, num_seqs, block_size, dtype)])
+        return AttentionMetadata(slots, [_decode_part(ctx, num_seqs, block_size)])
     if num_seqs == 1 and ctx.max_seq_len == num_tokens:
         # A whole prompt in one chunk: attend to the new keys directly, plain causal.
         return AttentionMetadata(slots, [_Part("causal", 0, num_tokens)])
     num_decodes = _num_leading_decodes(ctx)
     if num_decodes >= num_seqs:
-        return AttentionMetadata(slots, [_decode_part(ctx, num_seqs, block_size, dtype)])
+        return AttentionMetadata(slots, [_decode_part(ctx, num_seqs, block_size)])
     parts = []
     if num_decodes:
-        parts.append(_decode_part(ctx, num_decodes, block_size, dtype))
+        parts.append(_decode_part(ctx, num_decodes, block_size))
     parts.append(_prefill_part(ctx, num_decodes, num_decodes, num_tokens, block_size, dtype))
     return AttentionMetadata(slots, parts)
 
@@ -281,12 +271,13 @@ class Attention(nn.Module):
             )
             return out[0].transpose(0, 1)
         if part.kind == "decode":
-            if part.mask is None:  # see _kernel_decodes
-                if paged_decode_cpu.supports(self.head_dim, part.block_size):
+            if part.mask is None:
+                if (q.device.type == "cpu" and q.dtype == torch.float32
+                        and paged_decode_cpu.supports(self.head_dim, part.block_size)):
                     return paged_decode_cpu.paged_decode(
                         q, self.k_cache, self.v_cache, part.block_tables, part.seq_lens,
                         self.scale)
-                part.mask = _decode_mask(part, q.dtype)  # once, for the step's later layers
+                part.mask = _decode_mask(part, q.dtype)  # once: the later layers reuse it
             # GQA without repeating keys: a kv head's query group acts as its query rows.
             group = self.num_heads // self.num_kv_heads
             out = F.scaled_dot_product_attention(

@@ -35,7 +35,7 @@ import torch
 
 from shared.random_checkpoints.writer import default_cache_dir
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 SOURCE = r"""
 #include <stdint.h>
@@ -221,7 +221,7 @@ def _build(path: Path) -> None:
         src = Path(tmp) / "paged_decode.c"
         src.write_text(SOURCE)
         out = Path(tmp) / path.name
-        subprocess.run([compiler, *FLAGS, str(src), "-o", str(out), "-lm"], check=True,
+        subprocess.run([compiler, *FLAGS, str(src), "-o", str(out)], check=True,
                        capture_output=True, timeout=120)
         os.replace(out, path)
 
@@ -239,7 +239,7 @@ def kernel():
         fn = ctypes.CDLL(str(path)).paged_decode_f32
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", b"") or b""
-        log.warning("paged decode kernel unavailable (%s%s); decodes gather their KV for SDPA",
+        logger.warning("paged decode kernel unavailable (%s%s); decodes gather their KV for SDPA",
                     e, f": {detail.decode(errors='replace')[:500]}" if detail else "")
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p

@@ -21,8 +21,9 @@ MAX_DEFAULT_WARMUP = 8
 # what the JSON output records of the run's settings (never the API key)
 SETTINGS = ("workload", "num_requests", "warmup_requests", "prompt_len",
             "prompt_len_range", "output_len", "output_len_range", "image_size",
-            "images_per_request", "distinct_images", "image_share", "turns", "video_frames", "temperature",
-            "ignore_eos", "extra_body", "concurrency", "request_rate", "seed", "rounds")
+            "images_per_request", "distinct_images", "image_share", "turns", "video_frames",
+            "temperature", "ignore_eos", "extra_body", "concurrency", "request_rate", "seed",
+            "rounds")
 
 
 @dataclass(frozen=True)
