@@ -28,7 +28,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine_proc.layers.linear import MergedLinear, RowParallelLinear
@@ -76,7 +75,9 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor,
     padded = bucket_rows(rows)
     if padded == rows:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    flat = F.pad(x.reshape(rows, features), (0, 0, 0, padded - rows))
+    flat = x.new_empty((padded, features))
+    flat[:rows] = x.reshape(rows, features)
+    flat[rows:] = 0  # zeros in the padding rows alone (F.pad fills every row, then copies)
     out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
     return out[:rows].view(*x.shape[:-1], out.shape[-1])
 

@@ -94,6 +94,20 @@ static inline void prefetch_block(const float *p, int64_t bs, int64_t row, int64
         for (int64_t e = 0; e < width; e += 16) __builtin_prefetch(p + t * row + e, 0, 3);
 }
 
+/* o[0:8nv] += the sum over n rows t of p[t] * v[t * row + 0:8nv]; nv is a constant where it
+   is inlined, so the accumulators live in registers */
+static inline __attribute__((always_inline)) void pv_rows(float *o, const float *p,
+                                                         const float *v, int64_t row,
+                                                         int64_t n, const int nv) {
+    v8f acc[8];
+    for (int c = 0; c < nv; c++) acc[c] = load8(o + 8 * c);
+    for (int64_t t = 0; t < n; t++) {
+        const v8f pt = splat(p[t]);
+        for (int c = 0; c < nv; c++) acc[c] += pt * load8(v + t * row + 8 * c);
+    }
+    for (int c = 0; c < nv; c++) store8(o + 8 * c, acc[c]);
+}
+
 /* q, out [B, kvh * g, D]; kc, vc [blocks, bs, kvh, D]; tables int64 [B, tstride];
    seq_lens int64 [B]. Query head i reads kv head i / g. D and bs must be multiples of 8.
    One sequence per task, all its heads: each block is read whole (bs rows of kvh * D floats,
@@ -170,18 +184,27 @@ void paged_decode_f32(const float *q, const float *kc, const float *vc,
             }
             inv[i] = 1.0f / sum;
         }
-        /* out = sum_t p_t v_t: heads * D / 8 independent accumulators per key */
+        /* out = sum_t p_t v_t, a block at a time: each head's output (8 vectors at most at
+           a time) stays in registers over the block's rows */
         for (int64_t t0 = 0; t0 < len; t0 += bs) {
             const int64_t n = len - t0 < bs ? len - t0 : bs;
             const float *vb = vc + table[t0 / bs] * bs * row;
             if (t0 + bs < len) prefetch_block(vc + table[t0 / bs + 1] * bs * row, bs, row, row);
-            for (int64_t t = 0; t < n; t++) {
-                const float *v = vb + t * row;
-                for (int64_t i = 0; i < heads; i++) {
-                    const float p = s[i * len + t0 + t];
-                    const float *vh = v + (i / g) * D;
-                    float *oi = ob + i * D;
-                    for (int64_t e = 0; e < D; e += 8) store8(oi + e, load8(oi + e) + p * load8(vh + e));
+            for (int64_t i = 0; i < heads; i++) {
+                const float *pi = s + i * len + t0;
+                const float *vh = vb + (i / g) * D;
+                float *oi = ob + i * D;
+                for (int64_t e0 = 0; e0 < D; e0 += 64) {
+                    switch (D - e0 >= 64 ? 8 : (D - e0) / 8) { /* constant widths, unrolled */
+                    case 8: pv_rows(oi + e0, pi, vh + e0, row, n, 8); break;
+                    case 7: pv_rows(oi + e0, pi, vh + e0, row, n, 7); break;
+                    case 6: pv_rows(oi + e0, pi, vh + e0, row, n, 6); break;
+                    case 5: pv_rows(oi + e0, pi, vh + e0, row, n, 5); break;
+                    case 4: pv_rows(oi + e0, pi, vh + e0, row, n, 4); break;
+                    case 3: pv_rows(oi + e0, pi, vh + e0, row, n, 3); break;
+                    case 2: pv_rows(oi + e0, pi, vh + e0, row, n, 2); break;
+                    default: pv_rows(oi + e0, pi, vh + e0, row, n, 1); break;
+                    }
                 }
             }
         }
