@@ -22,9 +22,11 @@ tokens to the longest costs 2.3x the per-sequence loop there (22 vs 9.5 ms a lay
 Elsewhere they are padded to the longest query and key range and masked, one SDPA call
 per layer.
 
-On a CPU in float32 the decodes skip the gather: engine_proc/layers/paged_decode_cpu.py reads
-each sequence's blocks in place (a small C kernel built on first use); where it cannot be
-built, or a head size is not a multiple of 8, they gather and run SDPA as above.
+On a CPU in float32 decodes and prefill chunks skip the gather and SDPA:
+engine_proc/layers/paged_attention_cpu.py reads each sequence's blocks in place (small C
+kernels built on first use; a step's prefill chunks in one call per layer, a whole prompt
+alone in a step included). Where they cannot be built, or a head size is not a multiple of
+8, attention gathers and runs SDPA as above.
 
 The caches must not hold NaN/inf bit patterns (allocate them with torch.zeros, not
 torch.empty): padded gathers read slots past a sequence's end, masked out of the softmax,
@@ -40,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_proc.context import Context
-from engine_proc.layers import paged_decode_cpu
+from engine_proc.layers import paged_attention_cpu
 
 
 @dataclass
@@ -51,7 +53,7 @@ class _Span:
     end: int
     seq_len: int
     block_table: torch.Tensor | None = None  # its blocks when it has cached keys
-    mask: torch.Tensor | None = None  # bool [q_len, seq_len] when it has cached keys
+    mask: torch.Tensor | None = None  # bool [q_len, seq_len], built by the first layer to ask
 
 
 @dataclass
@@ -70,6 +72,7 @@ class _Part:
     num_seqs: int = 0
     max_q_len: int = 0
     spans: list[_Span] | None = None  # "seqs"
+    span_rows: torch.Tensor | None = None  # int64 [3, S] first row, q_len, seq_len ("seqs")
 
 
 @dataclass
@@ -145,22 +148,27 @@ def _decode_mask(part: _Part, dtype: torch.dtype) -> torch.Tensor:
 
 def _sequence_part(ctx: Context, first_seq: int, start: int, block_size: int) -> _Part:
     """Sequences first_seq.. one at a time: new keys straight from the batch when nothing
-    is cached yet, else the sequence's blocks with a bottom-right causal mask."""
-    device = ctx.query_start_loc.device
+    is cached yet, else the sequence's blocks with a bottom-right causal mask. With a cache,
+    also the whole part's block tables and span rows, for the CPU kernel."""
     spans = []
     token = start
     for seq in range(first_seq, len(ctx.q_lens_host)):
         q_len, seq_len = ctx.q_lens_host[seq], ctx.seq_lens_host[seq]
         span = _Span(token, token + q_len, seq_len)
         if seq_len != q_len and block_size:
-            num_blocks = -(-seq_len // block_size)
-            span.block_table = ctx.block_tables[seq, :num_blocks].long()
-            keys = torch.arange(seq_len, device=device)
-            last = torch.arange(seq_len - q_len, seq_len, device=device)
-            span.mask = keys <= last[:, None]
+            span.block_table = ctx.block_tables[seq, : -(-seq_len // block_size)].long()
         spans.append(span)
         token += q_len
-    return _Part("seqs", start, token, spans=spans)
+    part = _Part("seqs", start, token, spans=spans, num_seqs=len(spans))
+    if block_size:
+        seq_lens = ctx.seq_lens_host[first_seq:]
+        num_blocks = -(-max(seq_lens) // block_size)
+        part.block_tables = ctx.block_tables[first_seq:, :num_blocks].long().clamp(min=0)
+        part.block_size = block_size
+        part.span_rows = torch.tensor(
+            [[sp.start - start for sp in spans], [sp.end - sp.start for sp in spans], seq_lens],
+            dtype=torch.int64)
+    return part
 
 
 def _prefill_part(
@@ -201,7 +209,10 @@ def build_attention_metadata(
     if ctx.all_decode:
         return AttentionMetadata(slots, [_decode_part(ctx, num_seqs, block_size)])
     if num_seqs == 1 and ctx.max_seq_len == num_tokens:
-        # A whole prompt in one chunk: attend to the new keys directly, plain causal.
+        # A whole prompt in one chunk: attend to the new keys directly, plain causal (on a
+        # CPU, as a one-span part: the layer may run it through the kernel).
+        if ctx.q_lens_host is not None and ctx.query_start_loc.device.type == "cpu":
+            return AttentionMetadata(slots, [_sequence_part(ctx, 0, 0, block_size)])
         return AttentionMetadata(slots, [_Part("causal", 0, num_tokens)])
     num_decodes = _num_leading_decodes(ctx)
     if num_decodes >= num_seqs:
@@ -273,8 +284,8 @@ class Attention(nn.Module):
         if part.kind == "decode":
             if part.mask is None:
                 if (q.device.type == "cpu" and q.dtype == torch.float32
-                        and paged_decode_cpu.supports(self.head_dim, part.block_size)):
-                    return paged_decode_cpu.paged_decode(
+                        and paged_attention_cpu.supports(self.head_dim, part.block_size)):
+                    return paged_attention_cpu.paged_decode(
                         q, self.k_cache, self.v_cache, part.block_tables, part.seq_lens,
                         self.scale)
                 part.mask = _decode_mask(part, q.dtype)  # once: the later layers reuse it
@@ -317,6 +328,11 @@ class Attention(nn.Module):
     def _sequences(
         self, part: _Part, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
+        if (part.span_rows is not None and q.device.type == "cpu" and q.dtype == torch.float32
+                and paged_attention_cpu.supports(self.head_dim, part.block_size)):
+            return paged_attention_cpu.paged_prefill(
+                q[part.start : part.end], self.k_cache, self.v_cache, part.block_tables,
+                part.span_rows, self.scale)
         out = q.new_empty(part.end - part.start, self.num_heads, self.head_dim)
         for span in part.spans:
             if span.block_table is None:  # no cached keys: this chunk's own, plain causal
@@ -324,6 +340,11 @@ class Attention(nn.Module):
             else:
                 keys = _gather_seq(self.k_cache, span.block_table, span.seq_len)
                 values = _gather_seq(self.v_cache, span.block_table, span.seq_len)
+                if span.mask is None:  # once: the later layers reuse it
+                    keys_at = torch.arange(span.seq_len, device=q.device)
+                    last = torch.arange(span.seq_len - (span.end - span.start), span.seq_len,
+                                        device=q.device)
+                    span.mask = keys_at <= last[:, None]
             o = F.scaled_dot_product_attention(
                 q[span.start : span.end].transpose(0, 1).unsqueeze(0),
                 keys.transpose(0, 1).unsqueeze(0),
