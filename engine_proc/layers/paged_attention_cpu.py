@@ -18,11 +18,9 @@ OpenMP (torch's own runtime, so torch's thread count):
   16 queries are the rows of small matrix products with 64 keys at a time (keys transposed
   into a local tile), an online softmax (flash attention's), causal within the span and
   after its cached prefix. On the tiny model 2x SDPA on 130-token prompts, level on 1,400.
-Written in C with the compiler's vector extensions (8 floats per vector; no intrinsics, so
-one source for x86-64 and Arm), compiled with the system's C compiler for this CPU on first
-use (~1 s, kept in the cache folder; the way torch's inductor builds its CPU kernels) and
-loaded with ctypes. Without a compiler, or if the build fails, `library()` is None and
-attention keeps the gather + SDPA path. Results differ from SDPA's by float32 rounding
+Written in C and built on first use (engine_proc/layers/native_build.py). Without a
+compiler, or if the build fails, `library()` is None and attention keeps the gather + SDPA
+path. Results differ from SDPA's by float32 rounding
 (another summation order; an exp accurate to ~2 ulp).
 """
 
@@ -30,35 +28,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
 import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-from shared.random_checkpoints.writer import default_cache_dir
+from engine_proc.layers import native_build
+from engine_proc.layers.native_build import V8F_HELPERS
 
-logger = logging.getLogger(__name__)
-
-SOURCE = r"""
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <math.h>
-
-/* 8 floats in one vector (GCC >= 12 and Clang vector extensions: AVX/AVX2 registers on
-   x86-64, pairs of NEON registers on Arm) */
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-
-static inline v8f load8(const float *p) { v8f v; memcpy(&v, p, sizeof v); return v; }
-static inline void store8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
-static inline v8f splat(float x) { v8f v = {x, x, x, x, x, x, x, x}; return v; }
-
+SOURCE = V8F_HELPERS + r"""
 /* e^x for x <= 0 (scores less their maximum): 2^n * p(r), |r| <= ln2 / 2, Cephes' expf
    polynomial (~2 ulp). Below -80 it returns 0 (e^-80 is 1.8e-35): weights that small would
    only make subnormal products in the value sum, which x86 computes ~100x slower */
@@ -364,55 +341,14 @@ void paged_prefill_f32(const float *q, int64_t qs, const float *kc, const float 
 }
 """
 
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-
-
-def _cpu_flags() -> str:
-    """This CPU's feature flags (the build targets them: -march=native)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-def _library_path() -> Path:
-    key = SOURCE + " ".join(FLAGS) + _cpu_flags()
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return default_cache_dir() / "kernels" / f"paged_attention_{digest}.so"
-
-
-def _build(path: Path) -> None:
-    """Compile SOURCE to `path` (atomically: engines starting together may race)."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise OSError("no C compiler (cc or gcc) on PATH")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        src = Path(tmp) / "paged_attention.c"
-        src.write_text(SOURCE)
-        out = Path(tmp) / path.name
-        subprocess.run([compiler, *FLAGS, str(src), "-o", str(out)], check=True,
-                       capture_output=True, timeout=120)
-        os.replace(out, path)
-
-
 @functools.cache
 def library():
     """The compiled kernels, or None where they cannot be built or loaded here
     (FLATSERVE_PAGED_ATTENTION_KERNEL=0 turns them off, to measure what they change)."""
     if os.environ.get("FLATSERVE_PAGED_ATTENTION_KERNEL", "1") == "0":
         return None
-    path = _library_path()
-    try:
-        if not path.exists():
-            _build(path)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", b"") or b""
-        logger.warning("paged attention kernels unavailable (%s%s); attention gathers its "
-                       "KV for SDPA", e,
-                       f": {detail.decode(errors='replace')[:500]}" if detail else "")
+    lib = native_build.load("paged_attention", SOURCE, "attention gathers its KV for SDPA")
+    if lib is None:
         return None
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     lib.paged_decode_f32.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64,

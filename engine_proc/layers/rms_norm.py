@@ -6,8 +6,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_proc.layers import rms_norm_cpu
+
 
 class RMSNorm(nn.Module):
+    # norm(x) = w * x / rms(x): the CPU kernel's formula (a subclass with another sets False)
+    cpu_kernel = True
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
@@ -27,6 +32,8 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
+        if self.cpu_kernel and rms_norm_cpu.applies(x, self.weight, residual):
+            return rms_norm_cpu.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual
@@ -37,6 +44,8 @@ class ZeroCenteredRMSNorm(RMSNorm):
     """Qwen3.5's decoder norm: the checkpoint's weight is centred on zero and the output is
     norm(x) * (1 + w), all in fp32 with one cast at the end (HF's rounding, as vLLM's
     GemmaRMSNorm). The weight keeps the checkpoint's values."""
+
+    cpu_kernel = False  # norm(x) * (1 + w)
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__(hidden_size, eps)
