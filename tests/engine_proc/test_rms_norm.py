@@ -1,8 +1,10 @@
-"""RMSNorm's fp32 fast path (torch's fused kernel) rounds exactly as transformers' steps."""
+"""RMSNorm's fp32 paths: torch's fused op rounds exactly as transformers' steps; the CPU
+kernel (rms_norm_cpu.py) within float32 rounding of them."""
 
 import pytest
 import torch
 
+from engine_proc.layers import rms_norm_cpu
 from engine_proc.layers.rms_norm import RMSNorm
 
 
@@ -13,7 +15,8 @@ def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
 
 
 @pytest.mark.parametrize("width", [64, 128, 256, 1280, 2048, 3584])
-def test_fp32_rms_norm_is_bit_identical_to_transformers(width):
+def test_fp32_rms_norm_is_bit_identical_to_transformers(width, monkeypatch):
+    monkeypatch.setattr(rms_norm_cpu, "applies", lambda *args: False)  # torch's op
     gen = torch.Generator().manual_seed(width)
     norm = RMSNorm(width, eps=1e-6)
     norm.weight.data = torch.rand(width, generator=gen) + 0.5
@@ -29,3 +32,20 @@ def test_bf16_keeps_transformers_rounding():
     norm.weight.data = (torch.rand(256) + 0.5).to(torch.bfloat16)
     x = (torch.randn(9, 256) * 3).to(torch.bfloat16)
     assert torch.equal(norm(x), hf_rms_norm(x, norm.weight, 1e-6))
+
+
+@pytest.mark.skipif(rms_norm_cpu.library() is None, reason="no C compiler to build the kernel")
+@pytest.mark.parametrize("width", [64, 256, 2048, 3584])
+def test_fp32_cpu_kernel_is_within_rounding_of_transformers(width):
+    """Another summation order for the mean of squares: a few ulp apart, the residual's sum
+    exact."""
+    gen = torch.Generator().manual_seed(width)
+    norm = RMSNorm(width, eps=1e-6)
+    norm.weight.data = torch.rand(width, generator=gen) + 0.5
+    for rows in (1, 7, 333):
+        x = torch.randn(rows, width, generator=gen) * 3
+        assert rms_norm_cpu.applies(x, norm.weight, x)
+        torch.testing.assert_close(norm(x), hf_rms_norm(x, norm.weight, 1e-6), rtol=2e-6, atol=0)
+        out, summed = norm(x, residual=x)
+        assert torch.equal(summed, x + x)
+        torch.testing.assert_close(out, hf_rms_norm(x + x, norm.weight, 1e-6), rtol=2e-6, atol=0)
