@@ -249,7 +249,7 @@ void paged_prefill_f32(const float *q, int64_t qs, const float *kc, const float 
     first[0] = 0;
     for (int64_t s = 0; s < S; s++) first[s + 1] = first[s] + kvh * ((qlen[s] + BQ - 1) / BQ);
     const int64_t ntask = first[S];
-    const int64_t M4 = (BQ * g + 3) & ~(int64_t)3; /* rows of a task, padded to 4 */
+    const int64_t M4 = (BQ * g + 3) & ~(int64_t)3; /* the most rows a task has, padded */
     #pragma omp parallel
     {
     float *qb = aligned_alloc(64, sizeof(float) * M4 * D);
@@ -265,6 +265,7 @@ void paged_prefill_f32(const float *q, int64_t qs, const float *kc, const float 
         const int64_t local = t - first[s], h = local % kvh, r0 = (local / kvh) * BQ;
         const int64_t nq = qlen[s] - r0 < BQ ? qlen[s] - r0 : BQ;
         const int64_t ctx = slen[s] - qlen[s], M = nq * g;
+        const int64_t MR = (M + 3) & ~(int64_t)3; /* this task's rows, padded to 4 */
         const int64_t *table = tables + s * tstride;
         /* rows: query r0 + i, head h * g + j at row i * g + j */
         for (int64_t i = 0; i < nq; i++)
@@ -273,9 +274,9 @@ void paged_prefill_f32(const float *q, int64_t qs, const float *kc, const float 
                 float *dst = qb + (i * g + j) * D;
                 for (int64_t e = 0; e < D; e++) dst[e] = src[e] * scale;
             }
-        memset(qb + M * D, 0, sizeof(float) * (M4 - M) * D);
-        memset(o, 0, sizeof(float) * M4 * D);
-        for (int64_t r = 0; r < M4; r++) { m[r] = -INFINITY; l[r] = 0.0f; }
+        memset(qb + M * D, 0, sizeof(float) * (MR - M) * D);
+        memset(o, 0, sizeof(float) * MR * D);
+        for (int64_t r = 0; r < MR; r++) { m[r] = -INFINITY; l[r] = 0.0f; }
         const int64_t kend = ctx + r0 + nq; /* keys the task's last query sees */
         for (int64_t j0 = 0; j0 < kend; j0 += KC) {
             const int64_t nk = kend - j0 < KC ? kend - j0 : KC;
@@ -289,7 +290,7 @@ void paged_prefill_f32(const float *q, int64_t qs, const float *kc, const float 
             }
             for (int64_t jj = nk; jj < nk16; jj++)
                 for (int64_t e = 0; e < D; e++) kt[e * KC + jj] = 0.0f;
-            for (int64_t r = 0; r < M4; r += 4)
+            for (int64_t r = 0; r < MR; r += 4)
                 for (int64_t jj = 0; jj < nk16; jj += 16) qk_4x16(qb + r * D, D, kt + jj, sc + r * KC + jj);
             for (int64_t r = 0; r < M; r++) {
                 float *sr = sc + r * KC;
@@ -320,8 +321,8 @@ void paged_prefill_f32(const float *q, int64_t qs, const float *kc, const float 
                 if (corr != 1.0f)
                     for (int64_t e = 0; e < D; e += 8) store8(o + r * D + e, load8(o + r * D + e) * corr);
             }
-            for (int64_t r = M; r < M4; r++) memset(sc + r * KC, 0, sizeof(float) * KC);
-            for (int64_t r = 0; r < M4; r += 4)
+            for (int64_t r = M; r < MR; r++) memset(sc + r * KC, 0, sizeof(float) * KC);
+            for (int64_t r = 0; r < MR; r += 4)
                 for (int64_t e0 = 0; e0 < D; e0 += 16) {
                     if (D - e0 >= 16) pv_4(o + r * D, D, sc + r * KC, vrow, e0, nk, 2);
                     else pv_4(o + r * D, D, sc + r * KC, vrow, e0, nk, 1);
