@@ -13,15 +13,15 @@ OpenMP (torch's own runtime, so torch's thread count):
 - `paged_decode`: one task per sequence, all its heads; the dot products of each query with
   8 keys at a time summed together by a transpose-and-add tree (not one horizontal sum per
   key), an exp over 8 scores at a time, then each head's weighted sum of values held in
-  registers over a block's rows; the next block is prefetched, as blocks lie anywhere.
+  registers over a block's rows; the next block's lines asked for a slice at a time.
 - `paged_prefill`: one task per (span, 16 queries, kv head): the head's query group times
   16 queries are the rows of small matrix products with 64 keys at a time (keys transposed
   into a local tile), an online softmax (flash attention's), causal within the span and
   after its cached prefix. On the tiny model 2x SDPA on 130-token prompts, level on 1,400.
 Written in C and built on first use (engine_proc/layers/native_build.py). Without a
 compiler, or if the build fails, `library()` is None and attention keeps the gather + SDPA
-path. Results differ from SDPA's by float32 rounding
-(another summation order; an exp accurate to ~2 ulp).
+path. Results differ from SDPA's by float32 rounding (another summation order; an exp
+accurate to ~2 ulp).
 """
 
 from __future__ import annotations
@@ -72,11 +72,15 @@ static inline v8f reduce8(const v8f a[8]) {
          + __builtin_shufflevector(c[0], c[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-/* ask for a block's rows of one head before they are needed: blocks lie anywhere in the
-   cache, so the hardware prefetcher cannot guess them */
-static inline void prefetch_block(const float *p, int64_t bs, int64_t row, int64_t width) {
-    for (int64_t t = 0; t < bs; t++)
-        for (int64_t e = 0; e < width; e += 16) __builtin_prefetch(p + t * row + e, 0, 3);
+/* the part-th of `parts` equal slices of the n floats at p (a block: contiguous), asked for
+   ahead of use. Blocks lie anywhere in the cache, so the hardware prefetcher cannot guess
+   them; asking for a whole 4 KB block at once stalls on the core's few outstanding misses
+   (measured: no faster than not asking), so each step of a block's work asks for a slice
+   of the next block's lines. */
+static inline void prefetch_slice(const float *p, int64_t n, int64_t part, int64_t parts) {
+    const int64_t lines = (n + 15) / 16, per = (lines + parts - 1) / parts;
+    const int64_t end = (part + 1) * per < lines ? (part + 1) * per : lines;
+    for (int64_t l = part * per; l < end; l++) __builtin_prefetch(p + l * 16, 0, 3);
 }
 
 /* o[0:8nv] += the sum over n rows t of p[t] * v[t * row + 0:8nv]; nv is a constant where it
@@ -96,7 +100,7 @@ static inline __attribute__((always_inline)) void pv_rows(float *o, const float 
 /* q, out [B, kvh * g, D]; kc, vc [blocks, bs, kvh, D]; tables int64 [B, tstride];
    seq_lens int64 [B]. Query head i reads kv head i / g. D and bs must be multiples of 8.
    One sequence per task, all its heads: each block is read whole (bs rows of kvh * D floats,
-   contiguous), the next one prefetched while this one is worked on. */
+   contiguous), the next one asked for while this one is worked on. */
 void paged_decode_f32(const float *q, const float *kc, const float *vc,
                       const int64_t *tables, int64_t tstride, const int64_t *seq_lens,
                       float *out, int64_t B, int64_t kvh, int64_t g, int64_t D,
@@ -125,10 +129,12 @@ void paged_decode_f32(const float *q, const float *kc, const float *vc,
         for (int64_t t0 = 0; t0 < len; t0 += bs) {
             const int64_t n = len - t0 < bs ? len - t0 : bs;
             const float *kb = kc + table[t0 / bs] * bs * row;
-            if (t0 + bs < len) prefetch_block(kc + table[t0 / bs + 1] * bs * row, bs, row, row);
+            const float *knext = t0 + bs < len ? kc + table[t0 / bs + 1] * bs * row : NULL;
+            const int64_t parts = kvh * ((n + 7) / 8);
             for (int64_t h = 0; h < kvh; h++) {
                 for (int64_t t8 = 0; t8 < n; t8 += 8) {
                     const int64_t m = n - t8 < 8 ? n - t8 : 8;
+                    if (knext) prefetch_slice(knext, bs * row, h * ((n + 7) / 8) + t8 / 8, parts);
                     for (int64_t i = h * g; i < (h + 1) * g; i++) {
                         v8f a[8] = {0};
                         for (int64_t e = 0; e < D; e += 8) {
@@ -174,8 +180,9 @@ void paged_decode_f32(const float *q, const float *kc, const float *vc,
         for (int64_t t0 = 0; t0 < len; t0 += bs) {
             const int64_t n = len - t0 < bs ? len - t0 : bs;
             const float *vb = vc + table[t0 / bs] * bs * row;
-            if (t0 + bs < len) prefetch_block(vc + table[t0 / bs + 1] * bs * row, bs, row, row);
+            const float *vnext = t0 + bs < len ? vc + table[t0 / bs + 1] * bs * row : NULL;
             for (int64_t i = 0; i < heads; i++) {
+                if (vnext) prefetch_slice(vnext, bs * row, i, heads);
                 const float *pi = s + i * len + t0;
                 const float *vh = vb + (i / g) * D;
                 float *oi = ob + i * D;
