@@ -207,6 +207,8 @@ void paged_decode_f32(const float *q, const float *kc, const float *vc,
     }
 }
 
+#include <omp.h>
+
 /* ---- prefill: query spans of any length, causal, online softmax over chunks of keys ---- */
 #define BQ 16 /* query tokens per task: with the kv head's query group, its rows */
 #define KC 64 /* keys per chunk of the online softmax */
@@ -246,24 +248,28 @@ static inline __attribute__((always_inline)) void pv_4(float *o, int64_t D, cons
 /* Causal attention of query spans over their sequences' paged keys. q [T, kvh * g, D] with
    qs floats between tokens; out [T, kvh * g, D] contiguous; kc, vc [blocks, bs, kvh, D].
    Span s: tokens qstart[s] .. + qlen[s] of q, seq_len slen[s] keys in block table row s;
-   its query r sees keys 0 .. slen - qlen + r. D % 8 == 0. */
-void paged_prefill_f32(const float *q, int64_t qs, const float *kc, const float *vc,
+   its query r sees keys 0 .. slen - qlen + r. D % 8 == 0. Returns 0, or -1 (nothing
+   computed) when its scratch cannot be allocated. */
+int paged_prefill_f32(const float *q, int64_t qs, const float *kc, const float *vc,
                        const int64_t *tables, int64_t tstride, const int64_t *qstart,
                        const int64_t *qlen, const int64_t *slen, int64_t S, float *out,
                        int64_t kvh, int64_t g, int64_t D, int64_t bs, float scale) {
     const int64_t row = kvh * D, heads = kvh * g;
+    const int64_t M4 = (BQ * g + 3) & ~(int64_t)3; /* the most rows a task has, padded */
+    const int threads = omp_get_max_threads();
+    /* each thread's q rows, key tile, scores, output rows, maxima and sums */
+    const size_t per = (size_t)(M4 * D + D * KC + M4 * KC + M4 * D + 2 * M4);
+    float *pool = malloc(sizeof(float) * per * threads);
     int64_t *first = malloc(sizeof(int64_t) * (S + 1)); /* first task of each span */
+    if (pool == NULL || first == NULL) { free(pool); free(first); return -1; }
     first[0] = 0;
     for (int64_t s = 0; s < S; s++) first[s + 1] = first[s] + kvh * ((qlen[s] + BQ - 1) / BQ);
     const int64_t ntask = first[S];
-    const int64_t M4 = (BQ * g + 3) & ~(int64_t)3; /* the most rows a task has, padded */
-    #pragma omp parallel
+    #pragma omp parallel num_threads(threads)
     {
-    float *qb = aligned_alloc(64, sizeof(float) * M4 * D);
-    float *kt = aligned_alloc(64, sizeof(float) * D * KC);
-    float *sc = aligned_alloc(64, sizeof(float) * M4 * KC);
-    float *o = aligned_alloc(64, sizeof(float) * M4 * D);
-    float *m = malloc(sizeof(float) * M4), *l = malloc(sizeof(float) * M4);
+    float *qb = pool + per * omp_get_thread_num();
+    float *kt = qb + M4 * D, *sc = kt + D * KC, *o = sc + M4 * KC;
+    float *m = o + M4 * D, *l = m + M4;
     const float *vrow[KC];
     #pragma omp for schedule(dynamic, 1)
     for (int64_t t = ntask - 1; t >= 0; t--) { /* longest (last) query blocks first */
@@ -343,9 +349,10 @@ void paged_prefill_f32(const float *q, int64_t qs, const float *kc, const float 
                 for (int64_t e = 0; e < D; e++) dst[e] = o[r * D + e] * inv;
             }
     }
-    free(qb); free(kt); free(sc); free(o); free(m); free(l);
     }
+    free(pool);
     free(first);
+    return 0;
 }
 """
 
@@ -364,7 +371,7 @@ def library():
     lib.paged_decode_f32.restype = None
     lib.paged_prefill_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr,
                                       i64, i64, i64, i64, f32]
-    lib.paged_prefill_f32.restype = None
+    lib.paged_prefill_f32.restype = ctypes.c_int
     return lib
 
 
@@ -407,8 +414,10 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     spans = spans.contiguous()
     out = q.new_empty(t, heads, d)
     s = spans.shape[1]
-    library().paged_prefill_f32(q.data_ptr(), q.stride(0), k_cache.data_ptr(),
-                                v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
-                                spans[0].data_ptr(), spans[1].data_ptr(), spans[2].data_ptr(),
-                                s, out.data_ptr(), kvh, heads // kvh, d, bs, scale)
+    failed = library().paged_prefill_f32(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+        tables.stride(0), spans[0].data_ptr(), spans[1].data_ptr(), spans[2].data_ptr(), s,
+        out.data_ptr(), kvh, heads // kvh, d, bs, scale)
+    if failed:
+        raise MemoryError("paged prefill attention: its scratch could not be allocated")
     return out
