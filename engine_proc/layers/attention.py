@@ -52,7 +52,6 @@ class _Span:
     start: int
     end: int
     seq_len: int
-    block_table: torch.Tensor | None = None  # its blocks when it has cached keys
     mask: torch.Tensor | None = None  # bool [q_len, seq_len], built by the first layer to ask
 
 
@@ -149,15 +148,12 @@ def _decode_mask(part: _Part, dtype: torch.dtype) -> torch.Tensor:
 def _sequence_part(ctx: Context, first_seq: int, start: int, block_size: int) -> _Part:
     """Sequences first_seq.. one at a time: new keys straight from the batch when nothing
     is cached yet, else the sequence's blocks with a bottom-right causal mask. With a cache,
-    also the whole part's block tables and span rows, for the CPU kernel."""
+    the part's block tables (a row per span) and span rows, for the CPU kernel as well."""
     spans = []
     token = start
     for seq in range(first_seq, len(ctx.q_lens_host)):
-        q_len, seq_len = ctx.q_lens_host[seq], ctx.seq_lens_host[seq]
-        span = _Span(token, token + q_len, seq_len)
-        if seq_len != q_len and block_size:
-            span.block_table = ctx.block_tables[seq, : -(-seq_len // block_size)].long()
-        spans.append(span)
+        q_len = ctx.q_lens_host[seq]
+        spans.append(_Span(token, token + q_len, ctx.seq_lens_host[seq]))
         token += q_len
     part = _Part("seqs", start, token, spans=spans, num_seqs=len(spans))
     if block_size:
@@ -334,12 +330,14 @@ class Attention(nn.Module):
                 q[part.start : part.end], self.k_cache, self.v_cache, part.block_tables,
                 part.span_rows, self.scale)
         out = q.new_empty(part.end - part.start, self.num_heads, self.head_dim)
-        for span in part.spans:
-            if span.block_table is None:  # no cached keys: this chunk's own, plain causal
+        for row, span in enumerate(part.spans):
+            if span.seq_len == span.end - span.start or part.block_tables is None:
+                # no cached keys: this chunk's own, plain causal
                 keys, values = k[span.start : span.end], v[span.start : span.end]
             else:
-                keys = _gather_seq(self.k_cache, span.block_table, span.seq_len)
-                values = _gather_seq(self.v_cache, span.block_table, span.seq_len)
+                table = part.block_tables[row, : -(-span.seq_len // part.block_size)]
+                keys = _gather_seq(self.k_cache, table, span.seq_len)
+                values = _gather_seq(self.v_cache, table, span.seq_len)
                 if span.mask is None:  # once: the later layers reuse it
                     keys_at = torch.arange(span.seq_len, device=q.device)
                     last = torch.arange(span.seq_len - (span.end - span.start), span.seq_len,

@@ -69,16 +69,24 @@ def _build(source: str, path: Path) -> None:
         os.replace(out, path)
 
 
-def load(name: str, source: str, fallback: str) -> ctypes.CDLL | None:
-    """The built library of `source`, or None (logged once, with `fallback`: what runs
-    instead) where it cannot be built or loaded here."""
+def load(name: str, source: str, switch: str, fallback: str,
+         signatures: dict[str, tuple[list, object]]) -> ctypes.CDLL | None:
+    """The built library of `source` with each function's (argtypes, restype) set, or None
+    where the environment variable `switch` is "0" (to measure what the kernels change) or
+    they cannot be built or loaded here (logged once, with `fallback`: what runs instead)."""
+    if os.environ.get(switch, "1") == "0":
+        return None
     path = library_path(name, source)
     try:
         if not path.exists():
             _build(source, path)
-        return ctypes.CDLL(str(path))
+        lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", b"") or b""
         logger.warning("%s kernels unavailable (%s%s); %s", name, e,
                        f": {detail.decode(errors='replace')[:500]}" if detail else "", fallback)
         return None
+    for function, (argtypes, restype) in signatures.items():
+        getattr(lib, function).argtypes = argtypes
+        getattr(lib, function).restype = restype
+    return lib

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 
@@ -356,23 +355,22 @@ int paged_prefill_f32(const float *q, int64_t qs, const float *kc, const float *
 }
 """
 
+
+_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
 @functools.cache
 def library():
     """The compiled kernels, or None where they cannot be built or loaded here
     (FLATSERVE_PAGED_ATTENTION_KERNEL=0 turns them off, to measure what they change)."""
-    if os.environ.get("FLATSERVE_PAGED_ATTENTION_KERNEL", "1") == "0":
-        return None
-    lib = native_build.load("paged_attention", SOURCE, "attention gathers its KV for SDPA")
-    if lib is None:
-        return None
-    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    lib.paged_decode_f32.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64,
-                                     i64, f32]
-    lib.paged_decode_f32.restype = None
-    lib.paged_prefill_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, ptr,
-                                      i64, i64, i64, i64, f32]
-    lib.paged_prefill_f32.restype = ctypes.c_int
-    return lib
+    return native_build.load(
+        "paged_attention", SOURCE, "FLATSERVE_PAGED_ATTENTION_KERNEL",
+        "attention gathers its KV for SDPA", {
+            "paged_decode_f32": ([_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
+                                  _I64, _I64, _F32], None),
+            "paged_prefill_f32": ([_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
+                                   _PTR, _I64, _I64, _I64, _I64, _F32], ctypes.c_int),
+        })
 
 
 def supports(head_dim: int, block_size: int) -> bool:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 
@@ -57,15 +56,10 @@ void rms_norm_f32(const float *x, const float *res, float *sum_out, float *out,
 def library():
     """The compiled kernel, or None where it cannot be built or loaded here
     (FLATSERVE_RMS_NORM_KERNEL=0 turns it off, to measure what it changes)."""
-    if os.environ.get("FLATSERVE_RMS_NORM_KERNEL", "1") == "0":
-        return None
-    lib = native_build.load("rms_norm", SOURCE, "RMSNorm runs torch's ops")
-    if lib is None:
-        return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.rms_norm_f32.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
-    lib.rms_norm_f32.restype = None
-    return lib
+    return native_build.load(
+        "rms_norm", SOURCE, "FLATSERVE_RMS_NORM_KERNEL", "RMSNorm runs torch's ops",
+        {"rms_norm_f32": ([ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float], None)})
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
