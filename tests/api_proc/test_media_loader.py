@@ -57,6 +57,51 @@ async def test_exif_orientation_is_applied(loader_factory):
     assert image.pixels.shape[0] > image.pixels.shape[1]
 
 
+def _chunk(kind: bytes, body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+
+def _png_chunks(data: bytes) -> list[tuple[bytes, bytes]]:
+    chunks, pos = [], 8
+    while pos < len(data):
+        n = int.from_bytes(data[pos:pos + 4], "big")
+        chunks.append((data[pos + 4:pos + 8], data[pos + 8:pos + 8 + n]))
+        pos += 12 + n
+    return chunks
+
+
+def _png_with_exif_after_pixels(width: int, height: int, orientation: int) -> bytes:
+    """A PNG whose eXIf chunk comes after its pixel data (PIL writes it before)."""
+    chunks = _png_chunks(encode_image(width, height, exif_orientation=orientation))
+    exif = [c for c in chunks if c[0] == b"eXIf"]
+    rest = [c for c in chunks if c[0] not in (b"eXIf", b"IEND")]
+    assert len(exif) == 1 and rest[-1][0] == b"IDAT"
+    return b"\x89PNG\r\n\x1a\n" + b"".join(_chunk(k, b) for k, b in rest + exif + [(b"IEND", b"")])
+
+
+@pytest.mark.parametrize("exif_after_pixels", [False, True])
+async def test_png_exif_orientation_is_applied_wherever_the_chunk_is(loader_factory,
+                                                                     exif_after_pixels):
+    raw = (_png_with_exif_after_pixels(120, 60, 6) if exif_after_pixels
+           else encode_image(120, 60, exif_orientation=6))
+    encoded, image = await load(loader_factory(), data_url(raw))
+    assert (encoded.width, encoded.height) == (60, 120)
+    assert image.pixels.shape[0] > image.pixels.shape[1]
+
+
+@pytest.mark.parametrize("exif_orientation", [None, 6])
+async def test_png_header_is_read_without_decoding_its_pixels(loader_factory, monkeypatch,
+                                                              exif_orientation):
+    # Sizing a PNG for admission (its EXIF included) must not decode it: that is the
+    # decode the admission budget is there to bound, and a cache hit skips it altogether.
+    loads = []
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda self: loads.append(self))
+    raw = encode_image(120, 60, exif_orientation=exif_orientation)
+    encoded = await loader_factory().fetch(MediaRef(data_url(raw)))
+    assert (encoded.width, encoded.height) == ((60, 120) if exif_orientation else (120, 60))
+    assert loads == []
+
+
 @pytest.mark.parametrize("mode", ["RGBA", "L"])
 async def test_other_modes_become_rgb(loader_factory, mode):
     _, image = await load(loader_factory(), data_url(encode_image(64, 64, mode=mode)))
