@@ -5,7 +5,7 @@ normalization, temporal duplication and patch ordering happen here, equal to the
 transformers processor's `pixel_values` (PIL backend). Rescale and normalize go through a
 256-entry table per channel, computed with transformers' own arithmetic (float64
 rescale, float32 normalize), so each value is bit-identical and the work on the device is
-one gather plus one copy into patch order.
+one copy of the bytes into patch order plus one table lookup.
 """
 
 from __future__ import annotations
@@ -50,31 +50,36 @@ def _check_pixels(
 
 
 def pixels_to_patches(
-    pixels: torch.Tensor, grid_thw: tuple[int, int, int], cfg: ImageProcessorConfig
+    pixels: torch.Tensor, grid_thw: tuple[int, int, int], cfg: ImageProcessorConfig,
+    still: bool = False,
 ) -> torch.Tensor:
     """pixels uint8 [H, W, 3] (H = grid_h * patch, W = grid_w * patch), or a video's
     temporal group [frames, H, W, 3] -> float32 [grid_h * grid_w, 3 * temporal_patch *
     patch * patch], on pixels' device. An image (or a group of one frame: a video's odd
     last frame) fills the temporal patch with copies of itself; a group of temporal_patch
-    frames fills it with its frames, in order (transformers' video patchify)."""
+    frames fills it with its frames, in order (transformers' video patchify).
+    `still`: a single frame's patches leave out the copies ([N, 3 * patch * patch]; what
+    PatchEmbed takes with its kernel summed over time)."""
     _check_pixels(pixels, grid_thw, cfg)
     _, gh, gw = (int(v) for v in grid_thw)
     p, m, tp = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
     if pixels.dim() == 4 and pixels.shape[0] == 1:
         pixels = pixels[0]
-    table = normalize_table(cfg, pixels.device)
-    index = pixels.to(torch.int32)  # int32, not int64: half the bytes of the biggest temporary
-    index += torch.arange(0, 3 * 256, 256, dtype=torch.int32, device=pixels.device)
-    values = table[index]  # [H, W, 3] or [T, H, W, 3]
-    del index
-    if values.dim() == 4:
+    # The uint8 bytes go into patch order first (a quarter of the float bytes to move), as
+    # int32 indices into the normalize table, then one index_select writes the float patches
+    # in place: 2.8x the gather-then-permute on a 1036px image, bit-identical.
+    if pixels.dim() == 4:
         # (T, gh/m, m, p, gw/m, m, p, C) -> (gh/m, gw/m, m, m, C, T, p, p)
-        patches = values.view(tp, gh // m, m, p, gw // m, m, p, 3).permute(1, 4, 2, 5, 7, 0, 3, 6)
-        return patches.reshape(gh * gw, 3 * tp * p * p)
-    # (gh/m, m, p, gw/m, m, p, C) -> (gh/m, gw/m, m, m, C, [temporal], p, p)
-    patches = values.view(gh // m, m, p, gw // m, m, p, 3).permute(0, 3, 1, 4, 6, 2, 5)
-    patches = patches.unsqueeze(5).expand(gh // m, gw // m, m, m, 3, tp, p, p)
-    return patches.reshape(gh * gw, 3 * tp * p * p)
+        order = pixels.view(tp, gh // m, m, p, gw // m, m, p, 3).permute(1, 4, 2, 5, 7, 0, 3, 6)
+    else:
+        # (gh/m, m, p, gw/m, m, p, C) -> (gh/m, gw/m, m, m, C, [temporal], p, p)
+        order = pixels.view(gh // m, m, p, gw // m, m, p, 3).permute(0, 3, 1, 4, 6, 2, 5)
+        if not still:
+            order = order.unsqueeze(5).expand(gh // m, gw // m, m, m, 3, tp, p, p)
+    index = order.reshape(gh * gw, 3, -1).to(torch.int32)  # faster than one strided convert
+    index += torch.arange(0, 3 * 256, 256, dtype=torch.int32, device=pixels.device).view(1, 3, 1)
+    table = normalize_table(cfg, pixels.device)
+    return table.index_select(0, index.view(-1)).view(gh * gw, -1)
 
 
 def pixels_to_patch_chunks(
@@ -82,6 +87,7 @@ def pixels_to_patch_chunks(
     grid_thw: tuple[int, int, int],
     cfg: ImageProcessorConfig,
     max_patches: int,
+    still: bool = False,
 ) -> Iterator[torch.Tensor]:
     """`pixels_to_patches` in consecutive pieces of at most `max_patches` rows (at least one
     row of merge units), whose concatenation is the whole result. Patch order is
@@ -99,4 +105,4 @@ def pixels_to_patch_chunks(
     for start in range(0, gh // m, band):
         end = min(gh // m, start + band)
         piece = pixels.narrow(axis, start * rows, (end - start) * rows)
-        yield pixels_to_patches(piece, (t, (end - start) * m, gw), cfg)
+        yield pixels_to_patches(piece, (t, (end - start) * m, gw), cfg, still)

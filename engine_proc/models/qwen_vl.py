@@ -94,10 +94,12 @@ class QwenVLForConditionalGeneration(nn.Module):
         Patches are embedded piece by piece: float patches are 8x the uint8 pixels
         (float32, temporal duplication), ~100 MB for one 2048px image; the embeddings are a
         tenth of that."""
+        embed = self.visual.patch_embed
         return torch.cat([
-            self.visual.patch_embed(chunk)
+            embed(chunk)
             for chunk in pixels_to_patch_chunks(
-                pixels.to(self.device, non_blocking=True), grid, self.config.image, PATCH_CHUNK)
+                pixels.to(self.device, non_blocking=True), grid, self.config.image, PATCH_CHUNK,
+                still=embed.takes_still)
         ])
 
     @property

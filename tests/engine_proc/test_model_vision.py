@@ -61,6 +61,28 @@ def test_encode_images_embeds_large_images_piece_by_piece(vl, monkeypatch):
     torch.testing.assert_close(torch.cat(split), ours, atol=1e-5, rtol=1e-5)
 
 
+def test_still_images_are_embedded_from_one_frame(vl, monkeypatch):
+    # An image's temporal patch is two copies of it: the tower embeds one frame with the
+    # kernel summed over time, and gets what the conv over both copies gives.
+    images, patches, grids = _patches(vl, [(4, 6), (3, 3)])
+    embed = vl.model.visual.patch_embed
+    widths = []
+    forward = embed.forward
+    monkeypatch.setattr(embed, "forward", lambda x: widths.append(x.shape[1]) or forward(x))
+    split = vl.model.encode_images(images, grids)
+    p = vl.cfg.vision.patch_size
+    assert set(widths) == {3 * p * p} and patches.shape[1] == 3 * 2 * p * p
+    torch.testing.assert_close(torch.cat(split), vl.model.visual(patches, tuple(grids)))
+    frame = torch.cat([pixels_to_patches(px, g, vl.cfg.image, still=True)
+                       for px, g in zip(images, grids, strict=True)])
+    torch.testing.assert_close(forward(frame), forward(patches))
+
+
+def test_bf16_patch_embedding_keeps_both_frames(vl):
+    bf16 = type(vl.model.visual.patch_embed)(vl.cfg.vision).to(torch.bfloat16)
+    assert not bf16.takes_still  # summing the kernel in bf16 would round it once more
+
+
 def test_encode_images_gives_each_image_its_own_storage(vl):
     images, _, grids = _patches(vl, [(2, 2), (2, 4)])
     embeds = vl.model.encode_images(images, grids)
