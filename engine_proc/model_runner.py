@@ -24,7 +24,7 @@ import torch
 
 from engine_proc.distributed import all_reduce_min, tp_shard
 from engine_proc.encoder_cache import EncoderCache
-from engine_proc.layers import paged_attention_cpu, rms_norm_cpu
+from engine_proc.layers import paged_attention_cpu, rms_norm_cpu, rotary_cpu
 from engine_proc.layers.packed_linear import pack_linear_weights
 from engine_proc.logits_adjustments import build_adjustments
 from engine_proc.models.registry import model_class
@@ -175,6 +175,7 @@ class ModelRunner:
         if not self.on_cuda and self.dtype == torch.float32:
             paged_attention_cpu.library()  # built (or found) now, not in the first step
             rms_norm_cpu.library()
+            rotary_cpu.library()
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
         self.state_cache = None
         if self.state_shape is not None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine_proc.layers import rotary_cpu
+
 
 def _inv_freq(dim: int, base: float) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
@@ -18,7 +20,10 @@ def _inv_freq(dim: int, base: float) -> torch.Tensor:
 
 def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [N, heads, D] in place with half tables cos/sin [N, D/2] (broadcast over
-    heads): no concatenations, two temporaries."""
+    heads): no concatenations, two temporaries; in one pass on a CPU in float32
+    (rotary_cpu.py, bit-identical)."""
+    if rotary_cpu.applies(x, cos, sin):
+        return rotary_cpu.rotate_(x, cos, sin)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     cos = cos.unsqueeze(-2)
