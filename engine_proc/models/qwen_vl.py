@@ -91,9 +91,9 @@ class QwenVLForConditionalGeneration(nn.Module):
 
     def embed_patches(self, pixels: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
         """One resized uint8 image [h, w, 3] -> its patch embeddings [t*h*w, vision hidden].
-        Patches are embedded piece by piece: float patches are 8x the uint8 pixels
-        (float32, temporal duplication), ~100 MB for one 2048px image; the embeddings are a
-        tenth of that."""
+        Patches are embedded piece by piece: float patches are 4x the uint8 pixels (float32;
+        8x with the temporal copies, in bf16 or for a video's frame pairs), ~50-100 MB for
+        one 2048px image; the embeddings are a tenth of that."""
         embed = self.visual.patch_embed
         return torch.cat([
             embed(chunk)
