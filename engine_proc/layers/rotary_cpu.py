@@ -69,7 +69,7 @@ def applies(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
 
 def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """apply_rotary_(x, cos, sin) where `applies`."""
-    cos, sin = cos.contiguous(), sin.contiguous()  # a decoder's tables are transposed views
+    cos, sin = cos.contiguous(), sin.contiguous()  # no copy for the models' own tables
     rows, heads, dim = x.shape
     library().rotary_f32(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, heads, dim // 2,
                          x.stride(0), x.stride(1))

@@ -82,9 +82,10 @@ class MRotaryEmbedding(nn.Module):
         self.freq_index = torch.arange(half, device=device)[:, None]
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions int64 [3, T] -> half tables (cos, sin), each [T, head_dim/2]."""
-        index = positions[self.axis_of_freq] * self.half + self.freq_index  # [half, T]
-        return self.cos_table[index].t(), self.sin_table[index].t()
+        """positions int64 [3, T] -> half tables (cos, sin), each [T, head_dim/2], contiguous
+        (built in row order once a step, not copied by every layer that rotates)."""
+        index = (positions[self.axis_of_freq] * self.half + self.freq_index).t().contiguous()
+        return self.cos_table[index], self.sin_table[index]
 
 
 class VisionRotaryEmbedding(nn.Module):

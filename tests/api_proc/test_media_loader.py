@@ -154,22 +154,18 @@ async def test_encoded_size_cap_is_413_naming_the_limit(loader_factory):
 
 def _png_header_only(width: int, height: int) -> bytes:
     """A PNG whose IHDR declares width x height but which has almost no pixel data."""
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
-            + chunk(b"IEND", b""))
+    return (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + _chunk(b"IDAT", zlib.compress(b"\0" * 64))
+            + _chunk(b"IEND", b""))
 
 
 def _real_bomb(side: int) -> bytes:
     """A valid grey PNG of side x side zeros: tiny encoded, side*side bytes decoded."""
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
     comp = zlib.compressobj(9)
     row = b"\0" * (side + 1)
     idat = b"".join(comp.compress(row) for _ in range(side)) + comp.flush()
     ihdr = struct.pack(">IIBBBBB", side, side, 8, 0, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+    return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + _chunk(b"IDAT", idat) + _chunk(b"IEND", b"")
 
 
 @pytest.mark.parametrize("payload", [_png_header_only(60000, 60000), _real_bomb(3000)])
