@@ -64,8 +64,10 @@ def resize_image(
     """-> (uint8 [H, W, 3] resized RGB pixels, (grid_t, grid_h, grid_w) in patches)."""
     rgb = to_rgb(img)
     height, width = smart_resize(rgb.height, rgb.width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
-    resized = rgb.resize((width, height), resample=Image.Resampling.BICUBIC)
+    # Already at the model's size: no resize (PIL's would return a full copy).
+    resized = rgb if rgb.size == (width, height) else rgb.resize(
+        (width, height), resample=Image.Resampling.BICUBIC)
     pixels = np.asarray(resized, dtype=np.uint8)
-    if not pixels.flags.writeable:  # older Pillow hands out read-only buffers
+    if not pixels.flags.writeable:  # Pillow's array interface hands out read-only bytes
         pixels = pixels.copy()
     return pixels, (1, height // cfg.patch_size, width // cfg.patch_size)
