@@ -17,6 +17,7 @@ import numpy as np
 from shared.model_config import ImageProcessorConfig
 
 DIGEST_SIZE = 16
+RESIZE_VERSION = 1  # bump when shared/image_resize.py turns the same bytes into other pixels
 
 
 def _hasher(tag: bytes):
@@ -25,9 +26,6 @@ def _hasher(tag: bytes):
 
 def _key(kind: bytes, h) -> bytes:
     return kind + h.digest()[:DIGEST_SIZE]
-
-
-RESIZE_VERSION = 1  # bump when shared/image_resize.py turns the same bytes into other pixels
 
 
 def encoded_key(data: bytes, cfg: ImageProcessorConfig) -> bytes:
