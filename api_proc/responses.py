@@ -242,11 +242,16 @@ class ResponseWriter:
 
     def _write_step(self, out: SyncSend, p: Prepared, c: Choice, text: str,
                     finish: str | None, lp: Any) -> None:
+        tokens = c.num_tokens > c.num_streamed  # this step generated tokens
+        c.num_streamed = c.num_tokens
         if c.output is not None:
-            chunks = self._parsed_chunks(p, c, text, finish, lp)
+            chunks = self._parsed_chunks(p, c, text, finish, lp, tokens)
             if chunks:
                 out(b"".join(chunks))
-        elif text or finish or lp:
+        elif text or finish or lp or tokens:
+            # vLLM's: a chunk for every step with tokens, its text "" while they have none
+            # (part of a character, text held back for a stop string, an id with no text),
+            # so that a client sees each token when it comes
             out(self._chunk(p, c, text, finish, lp))
 
     def _advance(self, p: Prepared, c: Choice, out) -> tuple[str, str | None, object]:
@@ -319,7 +324,7 @@ class ResponseWriter:
             metrics.inference_time.observe(prefill + now - c.first_token_at)
 
     def _parsed_chunks(self, p: Prepared, c: Choice, text: str, finish: str | None,
-                       lp: object) -> list[bytes]:
+                       lp: object, tokens: bool) -> list[bytes]:
         """The chunks of one step of a choice whose reasoning or tool calls are read out: a
         chunk per delta, the step's log-probabilities on the first, the finish reason on
         the last."""
@@ -329,7 +334,10 @@ class ResponseWriter:
             finish = _finish_reason(c)
         if not p.include_reasoning:  # include_reasoning false: read out, left out
             deltas = [d for d in deltas if "reasoning" not in d]
-        if not deltas and (finish or lp):
+        # vLLM's: a step the parser holds back sends a chunk only for its ids (asked for, and
+        # reasoning not hidden), its log-probabilities or its finish
+        ids = tokens and p.return_token_ids and p.include_reasoning
+        if not deltas and (finish or lp or ids):
             deltas = [{"content": ""}]
         last = len(deltas) - 1
         return [self._chunk(p, c, d.get("content"), finish if i == last else None,

@@ -75,6 +75,7 @@ class Choice:
     stream: RequestStream
     detok: IncrementalDetokenizer
     num_tokens: int = 0
+    num_streamed: int = 0  # of num_tokens, those whose step has been written (streaming)
     finish_reason: str | None = None
     texts: list[str] = field(default_factory=list)  # non-streaming responses only
     logprobs: list | None = None  # non-streaming: chat entries or completion parts so far

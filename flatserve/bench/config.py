@@ -22,7 +22,7 @@ MAX_DEFAULT_WARMUP = 8
 SETTINGS = ("workload", "num_requests", "warmup_requests", "prompt_len",
             "prompt_len_range", "output_len", "output_len_range", "image_size",
             "images_per_request", "distinct_images", "image_share", "turns", "video_frames",
-            "temperature", "ignore_eos", "extra_body", "concurrency", "request_rate", "seed",
+            "temperature", "ignore_eos", "token_usage", "extra_body", "concurrency", "request_rate", "seed",
             "rounds")
 
 
@@ -69,6 +69,12 @@ class BenchConfig:
     temperature: float = opt(0.0, "sampling temperature")
     ignore_eos: bool = opt(False, "send 'ignore_eos': true (a vLLM extension) so every "
                                   "request generates exactly max_tokens")
+    token_usage: bool = opt(True, "ask for usage in every streamed chunk (stream_options' "
+                                  "continuous_usage_stats, as vLLM, SGLang and flatserve "
+                                  "answer it), so that TTFT, ITL and TPOT are per token "
+                                  "whatever text the tokens decode to; --no-token-usage for a "
+                                  "server that refuses the field (latencies are then per "
+                                  "content chunk, and the table says so)")
     extra_body: dict | None = opt(None, "JSON object merged into every request body")
     concurrency: int | None = opt(None, "requests in flight: the closed loop's workers (default "
                                         f"{DEFAULT_CONCURRENCY}), or a cap on the open loop's "
@@ -239,6 +245,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     add("--rounds", "rounds", type=int, metavar="N")
     add("--temperature", "temperature", type=float, metavar="T")
     add("--ignore-eos", "ignore_eos", action="store_true")
+    add("--token-usage", "token_usage", action=argparse.BooleanOptionalAction)
     add("--extra-body", "extra_body", type=json.loads, metavar="JSON")
     add("--concurrency", "concurrency", type=int, metavar="N")
     add("--request-rate", "request_rate", type=float, metavar="R")

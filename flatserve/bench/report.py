@@ -39,6 +39,14 @@ def describe_load(settings: dict) -> str:
     return f"{workload}, {output}; {loop}"
 
 
+LATENCY_UNITS = {
+    "token": "TTFT, TPOT and ITL per token (usage in every chunk)",
+    "chunk": "TTFT and ITL per content chunk: the server sent no per-chunk token counts, and "
+             "a token with no text yet is not seen",
+    "mixed": "TTFT and ITL per token where chunks carried usage, per content chunk elsewhere",
+}
+
+
 def _row(name: str, stats: dict) -> str:
     cells = "".join("       n/a" if stats[c] is None else f"{stats[c]:10.2f}" for c in COLUMNS)
     return f"{name:<{NAME_WIDTH}}{cells}"
@@ -52,6 +60,7 @@ def format_table(result: BenchResult) -> str:
         f"{'=' * 8} {title} {'=' * 8}",
         f"model {settings.get('model')!r} at {settings.get('base_url')}",
         describe_load(settings),
+        LATENCY_UNITS[result.latency_unit],
         f"{'(ms)':<{NAME_WIDTH}}" + "".join(f"{c:>10}" for c in COLUMNS),
         _row("TTFT", result.ttft_ms),
         *([_row("  TTFT first turn", result.ttft_first_turn_ms),
@@ -150,6 +159,10 @@ def format_rounds(rounds: list[tuple[BenchResult, BenchResult]]) -> str:
         else:
             ratio = f"{(ma / mb if higher_better else mb / ma):.2f}x"
         lines.append(f"{name:<{width}}{_cells(a):>{column}}{_cells(b):>{column}}{ratio:>22}")
+    units = {r.latency_unit for pair in rounds for r in pair}
+    if len(units) > 1:
+        lines.append(f"latencies per: {this} {rounds[0][0].latency_unit}, "
+                     f"{peer} {rounds[0][1].latency_unit} (their ratios compare unlike units)")
     errors = [f"{r[0].errors}/{r[1].errors}" for r in rounds]
     lines.append(f"{'errors':<{width}}{'  (' + ', '.join(errors) + ' per round)':>{column}}")
     return "\n".join(lines)

@@ -42,6 +42,9 @@ class BenchResult:
     health_ms: dict
     health_path: str
     health_errors: int
+    # what TTFT, ITL and TPOT time: "token" (every chunk carried its token count), "chunk"
+    # (none did: per content chunk, which may carry several tokens or stand for none), "mixed"
+    latency_unit: str = "token"
     error_kinds: dict[str, int] = field(default_factory=dict)
     first_error: str | None = None
     settings: dict = field(default_factory=dict)
@@ -68,6 +71,8 @@ def summarize(results: list[RequestResult], health_latencies_s: list[float], hea
     def per_s(count: float) -> float:
         return count / duration if duration > 0 else 0.0
 
+    per_token = {r.per_token for r in ok}
+    unit = "mixed" if len(per_token) > 1 else "chunk" if per_token == {False} else "token"
     return BenchResult(
         label=label,
         completed=len(ok),
@@ -87,6 +92,7 @@ def summarize(results: list[RequestResult], health_latencies_s: list[float], hea
         health_ms=latency_stats(health_latencies_s),
         health_path=health_path,
         health_errors=health_errors,
+        latency_unit=unit,
         error_kinds=dict(Counter(r.error_kind for r in failed)),
         first_error=min(failed, key=lambda r: r.ended_at).error if failed else None,
         settings=settings or {},

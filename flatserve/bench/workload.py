@@ -55,7 +55,8 @@ def _body(config: BenchConfig, model: str, messages: list[dict], max_tokens: int
         "max_tokens": max_tokens,
         "temperature": config.temperature,
         "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream_options": {"include_usage": True,
+                           **({"continuous_usage_stats": True} if config.token_usage else {})},
         **({"ignore_eos": True} if config.ignore_eos else {}),
         **(config.extra_body or {}),
     }

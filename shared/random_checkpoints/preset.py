@@ -7,15 +7,17 @@ from dataclasses import dataclass
 
 from shared.model_config import TextConfig, VisionConfig
 
-CHECKPOINT_VERSION = "v1"
+# v2: the tokenizer covers the whole vocabulary (filler tokens past the trained BPE's ids)
+CHECKPOINT_VERSION = "v2"
 SEED = 1234
 SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 
 @dataclass(frozen=True)
 class Preset:
-    """One random checkpoint. `text.vocab_size` may exceed the shared tokenizer's vocabulary
-    (the extra rows are never looked up), never fall short of it."""
+    """One random checkpoint. `text.vocab_size` may exceed the shared tokenizer's trained
+    vocabulary, never fall short of it; the ids past it decode to filler text unless
+    `fill_vocab` is off."""
 
     name: str  # the cache folder is f"{name}-{CHECKPOINT_VERSION}"
     text: TextConfig
@@ -30,6 +32,9 @@ class Preset:
     # materialized only: normal(0, perturb) noise added to every parameter after init, so
     # norm weights and biases are not the trivial ones and zeros a fresh init gives
     perturb: float = 0.0
+    # a filler token (" tok4014") for every id past the trained tokenizer's, so that every id
+    # a random model samples streams visible text (off: those ids decode to nothing)
+    fill_vocab: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in SAFETENSORS_DTYPES:

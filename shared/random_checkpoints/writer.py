@@ -12,6 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from shared.cache_dir import default_cache_dir
 from shared.random_checkpoints.hf_configs import transformers_config
 from shared.random_checkpoints.preset import CHECKPOINT_VERSION, SEED, Preset
 from shared.random_checkpoints.presets import TINY
@@ -72,12 +73,6 @@ QWEN3_VL_PREPROCESSOR_CONFIG = {
     "merge_size": 2,
 }
 
-def default_cache_dir() -> Path:
-    root = os.environ.get("FLATSERVE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "flatserve"
-    )
-    return Path(root)
-
 
 def ensure_tiny_checkpoint(cache_dir: str | Path | None = None) -> Path:
     """Return the tiny checkpoint folder, writing it first if it is not there yet."""
@@ -122,6 +117,8 @@ def write_checkpoint(
             f"{preset.name}: vocab_size {preset.text.vocab_size} < the tokenizer's "
             f"{tokenizer.get_vocab_size()} ids"
         )
+    if preset.fill_vocab:
+        tokenizer = _filled(tokenizer, preset.text.vocab_size)
     special = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
     tokenizer.save(str(folder / "tokenizer.json"))
     _write_tokenizer_config(folder, preset.text.max_position_embeddings,
@@ -178,6 +175,24 @@ def _train_tokenizer():
     tokenizer.train_from_iterator(corpus.split("\n\n"), trainer=trainer)
     tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
     return tokenizer
+
+
+def _filled(tokenizer, vocab_size: int):
+    """The tokenizer with a filler token for every id from its own size up to `vocab_size`,
+    each decoding to visible text (" tok4014"): a random model samples ids all over its
+    vocabulary, and an id that decodes to nothing streams no text, so a client would time
+    one chunk every few dozen tokens. The fillers are vocabulary entries no merge reaches:
+    encoding is unchanged. The special tokens go into the model's vocabulary at their own
+    ids too, or loading would renumber them after the fillers."""
+    from tokenizers import Tokenizer
+
+    data = json.loads(tokenizer.to_str())
+    vocab = data["model"]["vocab"]
+    for added in data["added_tokens"]:
+        vocab[added["content"]] = added["id"]
+    for i in range(tokenizer.get_vocab_size(), vocab_size):
+        vocab[f"\u0120tok{i}"] = i  # "Ġ": the byte-level alphabet's space
+    return Tokenizer.from_str(json.dumps(data))
 
 
 def _write_tokenizer_config(folder: Path, model_max_length: int, template_name: str) -> None:

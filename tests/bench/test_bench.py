@@ -24,15 +24,23 @@ from flatserve.bench.workload import build_units
 
 JSON_KEYS = {"label", "requests_per_s", "output_tokens_per_s", "ttft_ms", "tpot_ms", "itl_ms",
              "e2e_ms", "health_ms", "errors", "error_kinds", "first_error", "completed",
-             "duration_s", "settings"}
+             "duration_s", "settings", "latency_unit"}
 
 
 class FakeServer:
-    """Streams max_tokens one-character chunks per chat request (and usage when asked for);
-    records the most chat requests in flight at once and the bodies it got."""
+    """Streams max_tokens tokens per chat request, a chunk each (and usage when asked for);
+    records the most chat requests in flight at once and the bodies it got.
+    `visible_every` > 1: only every n-th token has text; the others go out as empty chunks
+    with their usage where every chunk's usage was asked for (as vLLM and flatserve do), and
+    not at all otherwise (as a server that only sends text)."""
 
     def __init__(self, token_delay: float = 0.005, fail_every: int = 0, usage: bool = True,
-                 health: bool = True, done: bool = True, cut_after: int = 0):
+                 health: bool = True, done: bool = True, cut_after: int = 0,
+                 continuous_usage: bool = True, visible_every: int = 1,
+                 empty_chunks: bool = True):
+        self.continuous_usage = continuous_usage
+        self.empty_chunks = empty_chunks  # False: tokens with no text wait for the next text
+        self.visible_every = visible_every
         self.done = done  # end with [DONE] (transformers serve does not)
         self.cut_after = cut_after  # close the stream after this many tokens, unfinished
         self.token_delay = token_delay
@@ -44,22 +52,32 @@ class FakeServer:
         self.in_flight = 0
         self.max_in_flight = 0
 
-    def chunk(self, delta: dict, finish: str | None = None, usage: dict | None = None) -> str:
+    def chunk(self, delta: dict, finish: str | None = None, usage: dict | None = None,
+              counted: dict | None = None) -> str:
+        """A choice chunk (with `counted` as its usage), or with `usage` the usage chunk."""
         choices = [{"index": 0, "delta": delta, "finish_reason": finish}] if usage is None else []
         data = {"object": "chat.completion.chunk", "model": "fake", "choices": choices}
+        usage = usage or counted
         return f"data: {json.dumps(data | ({'usage': usage} if usage else {}))}\n\n"
 
     async def events(self, body: dict):
         max_tokens = body["max_tokens"]
+        options = body.get("stream_options", {})
+        every_chunk = (self.usage and self.continuous_usage and options.get("include_usage")
+                       and options.get("continuous_usage_stats"))
         yield self.chunk({"role": "assistant"})
         for i in range(max_tokens):
             if self.cut_after and i == self.cut_after:
                 self.in_flight -= 1
                 return
             await asyncio.sleep(self.token_delay)
-            yield self.chunk({"content": "x"})
+            visible = (i + 1) % self.visible_every == 0
+            if visible or (every_chunk and self.empty_chunks):
+                yield self.chunk({"content": "x" if visible else ""},
+                                 counted={"prompt_tokens": 10, "completion_tokens": i + 1}
+                                 if every_chunk else None)
         yield self.chunk({}, "length")
-        if self.usage and body.get("stream_options", {}).get("include_usage"):
+        if self.usage and options.get("include_usage"):
             yield self.chunk({}, usage={"prompt_tokens": 10, "completion_tokens": max_tokens})
         # done before the client can see [DONE] and send its next request
         self.in_flight -= 1
@@ -160,7 +178,8 @@ def test_bodies_are_deterministic_openai_and_unique():
     assert len(set(urls)) == len(urls) == len(images)
     assert all(10 <= len(b["messages"][0]["content"].split()) <= 30 for b in texts)
     assert all(5 <= b["max_tokens"] <= 15 for b in bodies)
-    assert all(b["stream"] and b["stream_options"] == {"include_usage": True}
+    assert all(b["stream"] and b["stream_options"] == {"include_usage": True,
+                                                      "continuous_usage_stats": True}
                and b["temperature"] == 0.0 and "ignore_eos" not in b for b in bodies)
     eos = parse_args(["--ignore-eos", "--extra-body", '{"top_k": 5}', "--no-progress"])
     body = json.loads(build_units(eos, "m", range(1))[0][0])
@@ -340,6 +359,54 @@ def test_streams_without_done_end_at_their_finish_reason(serve_fake, tmp_path, c
     assert "after 2 content chunks without [DONE] or a finish_reason" in data["first_error"]
 
 
+def test_latencies_are_per_token_whatever_text_the_tokens_have(serve_fake, tmp_path, capsys):
+    # one token in 5 has text; the others come as empty chunks carrying their usage
+    fake = FakeServer(token_delay=0.02, visible_every=5)
+    code, data = run_main(serve_fake(fake), tmp_path, "--num-requests", "3", "--concurrency",
+                          "1", "--output-len", "15", "--warmup-requests", "0")
+    assert code == 0 and data["completed"] == 3 and data["latency_unit"] == "token"
+    assert fake.bodies[0]["stream_options"] == {"include_usage": True,
+                                                "continuous_usage_stats": True}
+    assert data["output_tokens"] == 3 * 15
+    tpot = data["tpot_ms"]["p50"]
+    assert tpot / 1.5 <= data["itl_ms"]["p50"] <= tpot * 1.5
+    assert data["ttft_ms"]["p50"] < 2.5 * tpot  # the first token, not the first text
+    assert "TTFT, TPOT and ITL per token" in capsys.readouterr().out
+    # a server that holds tokens without text back: they come in bursts, and show so
+    url = serve_fake(FakeServer(token_delay=0.02, visible_every=5, empty_chunks=False))
+    code, data = run_main(url, tmp_path, "--num-requests", "3", "--concurrency", "1",
+                          "--output-len", "15", "--warmup-requests", "0")
+    assert code == 0 and data["latency_unit"] == "token"
+    assert data["itl_ms"]["p50"] == 0 and data["itl_ms"]["p99"] > 3 * data["tpot_ms"]["p50"]
+
+
+def test_a_server_without_usage_in_every_chunk_is_timed_per_content_chunk(serve_fake, tmp_path,
+                                                                          capsys):
+    url = serve_fake(FakeServer(token_delay=0.02, visible_every=5, continuous_usage=False))
+    code, data = run_main(url, tmp_path, "--num-requests", "3", "--concurrency", "1",
+                          "--output-len", "15", "--warmup-requests", "0")
+    assert code == 0 and data["completed"] == 3 and data["latency_unit"] == "chunk"
+    assert data["output_tokens"] == 3 * 15  # from the last chunk's usage all the same
+    assert data["itl_ms"]["p50"] > 3 * data["tpot_ms"]["p50"]  # a chunk every 5 tokens
+    assert "per content chunk" in capsys.readouterr().out
+    # --no-token-usage: the field is not sent, to a server that would answer it
+    fake = FakeServer(token_delay=0.001)
+    code, data = run_main(serve_fake(fake), tmp_path, "--num-requests", "2", "--output-len",
+                          "3", "--warmup-requests", "0", "--no-token-usage")
+    assert code == 0 and data["latency_unit"] == "chunk"
+    assert fake.bodies[0]["stream_options"] == {"include_usage": True}
+
+
+def test_rounds_say_when_the_two_servers_are_timed_in_unlike_units(serve_fake, tmp_path,
+                                                                   capsys):
+    this, peer = FakeServer(), FakeServer(continuous_usage=False)
+    code, _ = run_main(serve_fake(this), tmp_path, "--peer-url", serve_fake(peer),
+                       "--num-requests", "2", "--output-len", "3", "--warmup-requests", "0",
+                       "--rounds", "1")
+    assert code == 0
+    assert "latencies per: flatserve token, peer chunk" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_flatserve_bench_against_the_tiny_model(tmp_path):
@@ -422,3 +489,31 @@ def test_video_workload_against_the_tiny_model(tmp_path):
     data = json.loads(path.read_text())
     assert data["completed"] == 4 and data["errors"] == 0
     assert "4-frame 64px video" in run.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_tokens_without_text_are_timed_as_they_come(tmp_path):
+    """A vocabulary far larger than its tokenizer (most ids decode to no text, as in a
+    real-shape preset before its fillers): served by flatserve, every token is still seen
+    when it comes, so ITL is per token, not one gap per visible piece of text."""
+    from dataclasses import replace
+
+    from shared.random_checkpoints import TINY, write_checkpoint
+
+    preset = replace(TINY, name="tiny-wide-vocab", fill_vocab=False,
+                     text=replace(TINY.text, vocab_size=32768))  # ~88% of ids have no text
+    model = write_checkpoint(tmp_path / "model", preset)
+    path = tmp_path / "bench.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "flatserve.cli", "bench", "--num-requests", "6", "--output-len",
+         "32", "--concurrency", "1", "--temperature", "1.0", "--ignore-eos", "--seed", "3",
+         "--no-progress", "--json", str(path), "--server-log", str(tmp_path / "server.log"),
+         "--", "--model", str(model), "--max-num-seqs", "4"],
+        capture_output=True, text=True, timeout=230)
+    assert run.returncode == 0, run.stdout + run.stderr
+    data = json.loads(path.read_text())
+    assert data["completed"] == 6 and data["output_tokens"] == 6 * 32
+    assert data["latency_unit"] == "token"
+    tpot = data["tpot_ms"]["p50"]
+    assert tpot / 1.5 <= data["itl_ms"]["p50"] <= tpot * 1.5

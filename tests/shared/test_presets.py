@@ -139,6 +139,32 @@ def test_streamed_weights_are_the_same_on_every_run(tmp_path):
     assert all((a / f).read_bytes() == (b / f).read_bytes() for f in files)
 
 
+def test_every_id_of_a_real_vocabulary_decodes_to_text(tmp_path):
+    """A random model samples ids all over its vocabulary: each must stream visible text,
+    or a client times one chunk every few dozen tokens. The fillers change no encoding."""
+    from tokenizers import Tokenizer
+
+    from shared.random_checkpoints.writer import _train_tokenizer
+
+    folder = write_checkpoint(tmp_path / "m", _shrunk(QWEN2_5_VL_3B), max_shard_bytes=1 << 20)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    size = QWEN2_5_VL_3B.text.vocab_size
+    assert tok.get_vocab_size() == size
+    texts = tok.decode_batch([[i] for i in range(size)])
+    specials = tok.get_added_tokens_decoder()
+    assert [i for i, t in enumerate(texts) if not t and i not in specials] == []
+    assert texts[size - 1] == f" tok{size - 1}"
+    trained = _train_tokenizer()
+    sample = ("<|im_start|>user\nDescribe tok4015 and 你好 😀<|im_end|>\n<|vision_start|>"
+              "<|image_pad|><|vision_end|>")
+    assert tok.encode(sample).ids == trained.encode(sample).ids
+    assert {t.content: i for i, t in specials.items()} == {
+        t.content: i for i, t in trained.get_added_tokens_decoder().items()}
+    unfilled = write_checkpoint(tmp_path / "u", replace(_shrunk(QWEN2_5_VL_3B), fill_vocab=False),
+                                max_shard_bytes=1 << 20)
+    assert Tokenizer.from_file(str(unfilled / "tokenizer.json")).get_vocab_size() < 5000
+
+
 def test_vocabulary_must_cover_the_tokenizer(tmp_path):
     preset = replace(TINY, text=replace(TINY.text, vocab_size=1000))
     with pytest.raises(ValueError, match="vocab_size"):

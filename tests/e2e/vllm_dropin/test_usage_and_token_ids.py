@@ -36,6 +36,26 @@ def test_continuous_usage_stats_put_usage_in_every_chunk(oai):
     assert [c.usage is not None for c in plain] == [False] * (len(plain) - 1) + [True]
 
 
+def test_tokens_without_text_stream_as_empty_chunks(oai, builder):
+    """vLLM's: every step with tokens is a chunk, its text "" while they have none (a
+    special token here; also part of a character, or text held back for a stop string), so
+    that a client sees each token when it comes."""
+    start = builder.tokenizer.token_to_id("<|vision_start|>")
+    chunks = list(oai.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=3, stream=True, logit_bias={str(start): 100},
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"return_token_ids": True}))
+    steps = [c for c in chunks if c.choices][1:]  # after the role chunk
+    assert [c.usage.completion_tokens for c in steps] == [1, 2, 3]
+    assert [c.choices[0].delta.content for c in steps] == ["", "", ""]
+    assert [c.choices[0].model_extra["token_ids"] for c in steps] == [[start]] * 3
+    assert steps[-1].choices[0].finish_reason == "length"
+    texts = [c.choices[0].text for c in oai.completions.create(
+        model=MODEL, prompt="Hello there", max_tokens=3, stream=True,
+        logit_bias={str(start): 100}) if c.choices]
+    assert texts == ["", "", ""]
+
+
 def test_return_token_ids_in_chat(oai, builder):
     reply = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4,
                                         temperature=0, extra_body={"return_token_ids": True})
