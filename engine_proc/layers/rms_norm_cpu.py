@@ -3,63 +3,33 @@
 torch 2.13's CPU `F.rms_norm` runs as five element-wise ops (pow, mean, add, rsqrt, mul)
 plus the weight's, each a pass over the activations with its own dispatch; with the
 decoder's residual add before it, seven. At a decode step's 32 rows of 256 that is ~16 us
-a norm, against ~6 us for this kernel; at 2,048 rows 1.1x, at 1,024 x 2,048 1.6x. Built on
-first use (engine_proc/layers/native_build.py); where it cannot be, `library()` is None
-and RMSNorm keeps torch's ops. Results differ from torch's by float32 rounding (another
-summation order for the mean of squares).
+a norm, against ~6 us for this kernel; at 2,048 rows 1.1x, at 1,024 x 2,048 1.6x. Written
+in C (rms_norm_cpu.c) and built on first use (engine_proc/layers/native_build.py); where it
+cannot be, `library()` is None and RMSNorm keeps torch's ops. Results differ from torch's
+by float32 rounding (another summation order for the mean of squares).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+from pathlib import Path
 
 import torch
 
 from engine_proc.layers import native_build
-from engine_proc.layers.native_build import V8F_HELPERS
 
-SOURCE = V8F_HELPERS + r"""
-#define PARALLEL_MIN 65536 /* elements below which one thread does the whole call */
-
-/* out = w * h / sqrt(mean(h^2) + eps) per row of n floats, h = x, or with res (not NULL)
-   h = x + res, written to sum_out. n % 8 == 0; rows contiguous. */
-void rms_norm_f32(const float *x, const float *res, float *sum_out, float *out,
-                  const float *w, int64_t rows, int64_t n, float eps) {
-    #pragma omp parallel for schedule(static) if (rows * n >= PARALLEL_MIN)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *h = x + r * n;
-        v8f ss = splat(0.0f);
-        if (res) {
-            const float *rr = res + r * n;
-            float *sr = sum_out + r * n;
-            for (int64_t j = 0; j < n; j += 8) {
-                const v8f v = load8(h + j) + load8(rr + j);
-                store8(sr + j, v);
-                ss += v * v;
-            }
-            h = sr;
-        } else {
-            for (int64_t j = 0; j < n; j += 8) { const v8f v = load8(h + j); ss += v * v; }
-        }
-        float s = 0.0f;
-        for (int k = 0; k < 8; k++) s += ss[k];
-        const float inv = 1.0f / sqrtf(s / (float)n + eps);
-        float *o = out + r * n;
-        for (int64_t j = 0; j < n; j += 8) store8(o + j, load8(h + j) * inv * load8(w + j));
-    }
-}
-"""
+SOURCE = Path(__file__).with_suffix(".c")
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+SIGNATURES = {"rms_norm_f32": ([_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float], None)}
 
 
 @functools.cache
 def library():
     """The compiled kernel, or None where it cannot be built or loaded here
     (FLATSERVE_RMS_NORM_KERNEL=0 turns it off, to measure what it changes)."""
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    return native_build.load(
-        "rms_norm", SOURCE, "FLATSERVE_RMS_NORM_KERNEL", "RMSNorm runs torch's ops",
-        {"rms_norm_f32": ([ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float], None)})
+    return native_build.load(SOURCE, "FLATSERVE_RMS_NORM_KERNEL", "RMSNorm runs torch's ops",
+                             SIGNATURES)
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:

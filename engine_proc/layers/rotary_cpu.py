@@ -4,57 +4,32 @@
 key heads (x2 * sin, x1 * sin, then x1 * cos - ..., x2 * cos + ...); in a 448px request's
 vision tower and prefill that was ~5% of the served engine's samples. This kernel reads
 each head's halves once and writes them back, with the same products and sums rounded in
-the same order (no fused multiply-add), so its results are bit-identical to torch's. Built
-on first use (engine_proc/layers/native_build.py); where it cannot be, `library()` is None
-and torch's ops run.
+the same order (no fused multiply-add), so its results are bit-identical to torch's.
+Written in C (rotary_cpu.c) and built on first use (engine_proc/layers/native_build.py);
+where it cannot be, `library()` is None and torch's ops run.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+from pathlib import Path
 
 import torch
 
 from engine_proc.layers import native_build
-from engine_proc.layers.native_build import V8F_HELPERS
 
-SOURCE = V8F_HELPERS + r"""
-#define PARALLEL_MIN 65536 /* elements below which one thread does the whole call */
-
-/* x: rows x heads heads of 2 * half floats (row stride rs, head stride hs, each head
-   contiguous); cos, sin: rows x half, contiguous. Rotates each head in place:
-   x1' = x1 * c - x2 * s, x2' = x2 * c + x1 * s, every product rounded before the sum as
-   torch's separate ops do (fp-contract off: no FMA). half % 8 == 0. */
-__attribute__((optimize("fp-contract=off")))
-void rotary_f32(float *x, const float *cos, const float *sin, int64_t rows, int64_t heads,
-                int64_t half, int64_t rs, int64_t hs) {
-    #pragma omp parallel for schedule(static) if (rows * heads * half * 2 >= PARALLEL_MIN)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *c = cos + r * half, *s = sin + r * half;
-        for (int64_t h = 0; h < heads; h++) {
-            float *x1 = x + r * rs + h * hs, *x2 = x1 + half;
-            for (int64_t j = 0; j < half; j += 8) {
-                const v8f a = load8(x1 + j), b = load8(x2 + j);
-                const v8f cj = load8(c + j), sj = load8(s + j);
-                const v8f b_s = b * sj, a_s = a * sj, a_c = a * cj, b_c = b * cj;
-                store8(x1 + j, a_c - b_s);
-                store8(x2 + j, b_c + a_s);
-            }
-        }
-    }
-}
-"""
+SOURCE = Path(__file__).with_suffix(".c")
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+SIGNATURES = {"rotary_f32": ([_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64], None)}
 
 
 @functools.cache
 def library():
     """The compiled kernel, or None where it cannot be built or loaded here
     (FLATSERVE_ROTARY_KERNEL=0 turns it off, to measure what it changes)."""
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    return native_build.load(
-        "rotary", SOURCE, "FLATSERVE_ROTARY_KERNEL", "rotary embedding runs torch's ops",
-        {"rotary_f32": ([ptr, ptr, ptr, i64, i64, i64, i64, i64], None)})
+    return native_build.load(SOURCE, "FLATSERVE_ROTARY_KERNEL",
+                             "rotary embedding runs torch's ops", SIGNATURES)
 
 
 def applies(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
