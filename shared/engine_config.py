@@ -77,7 +77,7 @@ class EngineConfig:
         1, "processes (ranks) each engine's decoder is split over, one device each (vLLM's "
         "flag): attention heads, MLP rows and the vocabulary are split, the vision tower runs "
         "whole on the first rank. On a CPU the ranks share its cores: with few cores it is "
-        "not faster than 1 (see README)")
+        "not faster than 1 (see docs/design.md, \"Tensor parallelism\")")
     pack_weights: bool = opt(
         False, "on a CPU in float32, pack the linear layers' weights once for oneDNN's GEMM "
         "(1.1-1.4x at serving batch sizes, float32 rounding apart; row counts rounded up to "

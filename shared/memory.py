@@ -7,7 +7,7 @@ import ctypes.util
 import os
 import sys
 
-# glibc settings of the API process (see README, "Memory").
+# glibc settings of the API process (see docs/design.md, "glibc").
 API_MALLOC_ENV = {
     # A fixed mmap threshold: glibc's dynamic threshold otherwise rises after the first large
     # free, so later image-sized buffers land on the heap, where freeing them rarely returns
@@ -29,8 +29,8 @@ ENGINE_MALLOC_ENV = {"MALLOC_ARENA_MAX": "2"}
 # mallopt parameter numbers from glibc's malloc.h
 _MALLOPT = {"MALLOC_MMAP_THRESHOLD_": -3, "MALLOC_ARENA_MAX": -8, "MALLOC_TRIM_THRESHOLD_": -1}
 
-# Bounds on oneDNN's kernel caches, set by every engine process (see README, "Memory"). On a
-# CPU, torch runs bf16 matmuls through oneDNN, which JIT-compiles a kernel for each distinct
+# Bounds on oneDNN's kernel caches, set by every engine process (see docs/design.md,
+# "oneDNN's kernel caches"). On a CPU, torch runs bf16 matmuls through oneDNN, which JIT-compiles a kernel for each distinct
 # input shape and keeps it, with its buffers, in two caches of 1,024 entries each (oneDNN's
 # own and ideep's). An engine sees a new token count almost every step, so with the defaults
 # its RSS climbs by up to ~0.5 MB per new shape for thousands of steps. 64 entries each hold
