@@ -12,6 +12,7 @@ from engine_proc.layers.attention import Attention
 from shared.model_config import ModelConfig, load_model_config
 from shared.random_checkpoints import ensure_checkpoint
 from tests.engine_proc.families import MODEL_CASE_IDS, MODEL_CASES
+from tests.tolerance import decoder_terms, rms, tolerance, tolerance_for, vision_terms
 
 # ---- model tests (test_model_*.py), one run per family case (families.py) -----------------
 
@@ -127,6 +128,36 @@ class VLHarness:
         """The same helpers around another model (another dtype, device or checkpoint)."""
         return VLHarness(Path(model.config.path), model, hf if hf is not None else self.hf,
                          self.source)
+
+    def vision_tolerance(self, reference: torch.Tensor, grids) -> dict[str, float]:
+        """The bound on the vision tower's outputs (tests/tolerance.py) for images of `grids`:
+        against transformers', or against itself on other shapes (split per image, in stages,
+        from one frame), which sums in other orders (other GEMM blockings)."""
+        patches = max(t * h * w for t, h, w in grids)
+        return tolerance_for(reference, vision_terms(self.cfg.vision, patches))
+
+    def logits_tolerance(self, reference: torch.Tensor, ids: list[int], grids) -> dict[str, float]:
+        """The bound on logits for the prompt `ids` against transformers': the vision tower's
+        sums where it has images, then the decoder's."""
+        terms = decoder_terms(self.cfg.text, len(ids))
+        if grids:
+            terms += vision_terms(self.cfg.vision, max(t * h * w for t, h, w in grids))
+        return tolerance_for(reference, terms)
+
+    def hidden_tolerance(self, reference: torch.Tensor, tokens: int) -> dict[str, float]:
+        """The bound on the decoder's hidden states for the same embeddings run in another
+        batch (other row counts: other GEMM blockings and attention paths)."""
+        return tolerance_for(reference, decoder_terms(self.cfg.text, tokens, logits=False))
+
+    def bf16_tolerance(self, reference: torch.Tensor, grids) -> dict[str, float]:
+        """The bound on bfloat16 logits against transformers' in float32 or bfloat16. Sums
+        accumulate in fp32; each op's output rounds to bf16 once: about 20 roundings a decoder
+        layer or vision block (two norms' casts and scales, four projections and their rounded
+        weights, rotary, attention, the activation and its product, two residual adds)."""
+        blocks = self.cfg.text.num_hidden_layers + 1  # and the final norm with lm_head
+        if grids:
+            blocks += self.cfg.vision.depth + 1  # and the merger
+        return tolerance(torch.bfloat16, 1, depth=20 * blocks, scale=rms(reference))
 
     def grid(self, rows: int, cols: int) -> tuple[int, int, int]:
         """The patch grid of an image `rows` x `cols` merge units big (one merged token

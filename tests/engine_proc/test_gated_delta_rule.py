@@ -14,9 +14,25 @@ from engine_proc.layers.gated_delta_rule import (
     chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
 )
+from tests.tolerance import tolerance_for
 
-TOL = dict(atol=1e-5, rtol=1e-5)
+pytestmark = pytest.mark.numeric
+
 HK, HV, DK, DV, LENGTH = 2, 4, 16, 8, 130
+
+
+def rule_bound(state: torch.Tensor, length: int) -> dict[str, float]:
+    """Our rules against transformers' (another chunked form, or its recurrence): the state
+    is a sum over DK per token, chained over `length` tokens, and the chunked form solves a
+    triangular system over each 64-token chunk (a chain of 64 sums of up to 64 terms). Each
+    output is q.S with |q| = DK^-1/2 after its l2 norm, so its error is the state's: the
+    state's size is the scale of both."""
+    return tolerance_for(state, length * DK + 64 * 64)
+
+
+def conv_bound(expected: torch.Tensor, width: int) -> dict[str, float]:
+    """A depthwise causal conv sums `width` terms (then silu, element-wise)."""
+    return tolerance_for(expected, width)
 
 
 def _inputs(length: int, seed: int = 0, batch: int = 1):
@@ -41,8 +57,9 @@ def test_whole_sequence_matches_transformers(rule):
     initial = torch.randn(2, HV, DK, DV)
     out, state = rule(*inputs, initial_state=initial)
     ref_out, ref_state = _reference(*inputs, state=initial)
-    torch.testing.assert_close(out, ref_out, **TOL)
-    torch.testing.assert_close(state, ref_state, **TOL)
+    bound = rule_bound(ref_state, LENGTH)
+    torch.testing.assert_close(out, ref_out, **bound)
+    torch.testing.assert_close(state, ref_state, **bound)
 
 
 @pytest.mark.parametrize("split", [1, 17, 63, 64, 65])
@@ -60,9 +77,10 @@ def test_split_carrying_state_then_decode_matches_whole(split, second):
     out3, state = recurrent_gated_delta_rule(*last, initial_state=state)
     ref_out, ref_state = _reference(*[x[:, :LENGTH] for x in (q, k, v, g, beta)])
     ref_last, ref_state = _reference(*last, state=ref_state, recurrent=True)
-    torch.testing.assert_close(torch.cat([out1, out2], dim=1), ref_out, **TOL)
-    torch.testing.assert_close(out3, ref_last, **TOL)
-    torch.testing.assert_close(state, ref_state, **TOL)
+    bound = rule_bound(ref_state, LENGTH + 1)
+    torch.testing.assert_close(torch.cat([out1, out2], dim=1), ref_out, **bound)
+    torch.testing.assert_close(out3, ref_last, **bound)
+    torch.testing.assert_close(state, ref_state, **bound)
 
 
 def test_recurrent_leaves_the_initial_state_untouched():
@@ -83,7 +101,8 @@ def test_conv_in_pieces_matches_transformers(split):
     out1, state = causal_conv(x[0, :, :split].t(), weight, None)
     out2, state = causal_conv(x[0, :, split:-1].t(), weight, state)
     out3, state = causal_conv_step(x[0, :, -1:].t(), weight, state.unsqueeze(0))
-    torch.testing.assert_close(torch.cat([out1, out2, out3]), expected, **TOL)
+    torch.testing.assert_close(torch.cat([out1, out2, out3]), expected,
+                               **conv_bound(expected, width))
     torch.testing.assert_close(state[0], x[0, :, -(width - 1):].t(), atol=0, rtol=0)
 
 
@@ -95,7 +114,7 @@ def test_conv_step_matches_transformers_update():
     x = torch.randn(2, channels, 1, generator=gen)
     ours, new = causal_conv_step(x[..., 0], weight, hf_state[..., 1:].transpose(1, 2).clone())
     expected = hf.causal_conv1d_update(x, hf_state, weight, None, "silu")[..., 0]
-    torch.testing.assert_close(ours, expected, **TOL)
+    torch.testing.assert_close(ours, expected, **conv_bound(expected, width))
     torch.testing.assert_close(new, hf_state[..., 1:].transpose(1, 2), atol=0, rtol=0)
 
 
@@ -109,8 +128,10 @@ def test_zero_padding_at_the_end_keeps_outputs_and_final_state():
     for i, inputs in enumerate((short, long)):
         alone, alone_state = chunk_gated_delta_rule(*inputs, initial_state=initial[i : i + 1])
         length = inputs[0].shape[1]
-        torch.testing.assert_close(out[i : i + 1, :length], alone, **TOL)
-        torch.testing.assert_close(state[i : i + 1], alone_state, **TOL)
+        # zero-padded, the batch runs the same chunked sums on other shapes
+        bound = rule_bound(alone_state, length)
+        torch.testing.assert_close(out[i : i + 1, :length], alone, **bound)
+        torch.testing.assert_close(state[i : i + 1], alone_state, **bound)
 
 
 def test_bf16_conv_rounds_once_as_transformers():

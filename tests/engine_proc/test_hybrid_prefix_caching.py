@@ -17,6 +17,9 @@ from shared.random_checkpoints import TINY_QWEN3_5, TINY_QWEN3_5_MOE, ensure_che
 from shared.sampling_params import SamplingParams
 from tests.engine_proc.engine_factory import make_engine
 from tests.engine_proc.test_engine import Reference, assert_all_released, make_prompt
+from tests.tolerance import decoder_terms, tolerance_for
+
+pytestmark = pytest.mark.numeric
 
 TURN_TOKENS = 12
 
@@ -150,5 +153,8 @@ def test_a_hit_that_ends_inside_an_image_encoded_in_stages(dense):
     again, again_logits = generate(engine, [AddRequest("b", ids, sampling, images)])
     assert engine.scheduler.num_prefix_cache_hits == 16
     assert again["b"] == first["a"]
+    # the image encodes the same way both times; from the restored state on, the decoder
+    # runs the prompt's rest in other chunks (other GEMM blockings, another recurrence split)
+    terms = decoder_terms(config.text, len(ids) + 8)
     for a, b in zip(first_logits, again_logits, strict=True):
-        torch.testing.assert_close(b, a, atol=1e-4, rtol=0)
+        torch.testing.assert_close(b, a, **tolerance_for(a, terms))

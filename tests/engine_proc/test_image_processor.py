@@ -55,7 +55,8 @@ def _assert_matches_hf(img, cfg, hf=None):
     assert grid == tuple(int(v) for v in expected["image_grid_thw"][0])
     patches = pixels_to_patches(torch.from_numpy(pixels), grid, cfg)
     assert patches.dtype == torch.float32
-    np.testing.assert_allclose(patches.numpy(), expected["pixel_values"], rtol=0, atol=1e-6)
+    # a table lookup computed with transformers' arithmetic (image_processor.py): no sums
+    np.testing.assert_array_equal(patches.numpy(), expected["pixel_values"])
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,9 @@ from transformers.vision_utils import get_vision_window_index
 from engine_proc.image_processor import pixels_to_patches
 from engine_proc.models.qwen2_5_vl_vision import _host_layout
 from engine_proc.models.vision_tower import stage_bounds
+from tests.tolerance import tolerance_for
+
+pytestmark = pytest.mark.numeric
 
 
 def _patches(vl, grids, seed=0):
@@ -38,11 +41,12 @@ def test_vision_tower_matches_hf(vl, grids):
     with torch.no_grad():
         expected = vl.hf.model.visual(patches, grid_thw=torch.tensor(grids)).pooler_output
     ours = vl.model.visual(patches, tuple(grids))
-    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ours, expected, **vl.vision_tolerance(expected, grids))
     split = vl.model.encode_images(images, grids)
     unit = vl.cfg.vision.spatial_merge_size**2
     assert [e.shape[0] for e in split] == [t * h * w // unit for t, h, w in grids]
-    torch.testing.assert_close(torch.cat(split), ours)
+    # one image's rows at a time take other GEMM blockings than the whole batch's
+    torch.testing.assert_close(torch.cat(split), ours, **vl.vision_tolerance(ours, grids))
 
 
 def test_encode_images_embeds_large_images_piece_by_piece(vl, monkeypatch):
@@ -58,7 +62,7 @@ def test_encode_images_embeds_large_images_piece_by_piece(vl, monkeypatch):
                         lambda x: pieces.append(len(x)) or embed(x))
     split = vl.model.encode_images(images, grids)
     assert max(pieces) <= chunk and sum(pieces) == len(patches)
-    torch.testing.assert_close(torch.cat(split), ours, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(split), ours, **vl.vision_tolerance(ours, grids))
 
 
 def test_still_images_are_embedded_from_one_frame(vl, monkeypatch):
@@ -72,10 +76,14 @@ def test_still_images_are_embedded_from_one_frame(vl, monkeypatch):
     split = vl.model.encode_images(images, grids)
     p = vl.cfg.vision.patch_size
     assert set(widths) == {3 * p * p} and patches.shape[1] == 3 * 2 * p * p
-    torch.testing.assert_close(torch.cat(split), vl.model.visual(patches, tuple(grids)))
+    whole = vl.model.visual(patches, tuple(grids))
+    torch.testing.assert_close(torch.cat(split), whole, **vl.vision_tolerance(whole, grids))
     frame = torch.cat([pixels_to_patches(px, g, vl.cfg.image, still=True)
                        for px, g in zip(images, grids, strict=True)])
-    torch.testing.assert_close(forward(frame), forward(patches))
+    # the summed kernel rounds once more and the conv sums half the terms: the conv's bound
+    two_frames = forward(patches)
+    torch.testing.assert_close(forward(frame), two_frames,
+                               **tolerance_for(two_frames, patches.shape[1]))
 
 
 def test_bf16_patch_embedding_keeps_both_frames(vl):
@@ -125,7 +133,8 @@ def test_rotary_table_grows_for_long_grids(vl):
     images, patches, (grid,) = _patches(vl, [(2, 20)])
     with torch.no_grad():
         expected = vl.hf.model.visual(patches, grid_thw=torch.tensor([grid])).pooler_output
-    torch.testing.assert_close(vl.model.visual(patches, (grid,)), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(vl.model.visual(patches, (grid,)), expected,
+                               **vl.vision_tolerance(expected, [grid]))
     assert rotary.max_side >= grid[2]
 
 
@@ -142,7 +151,7 @@ def test_stages_run_the_whole_tower(vl):
         hidden = vl.model.embed_patches(images[0], grid)
         for stage in range(vl.model.num_vision_stages):
             hidden = vl.model.encode_stage(hidden, grid, stage)
-    torch.testing.assert_close(hidden, whole, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hidden, whole, **vl.vision_tolerance(whole, [grid]))
 
 
 def test_stage_bounds():

@@ -1,6 +1,14 @@
+import pytest
 import torch
 
 from engine_proc.sampler import Sampler, SamplingBatch
+from tests.tolerance import tolerance
+
+pytestmark = pytest.mark.numeric
+
+# log-softmax over a row of 50 logits ~ N(0, 1): its log-sum-exp sums 50 terms (the sampler's
+# and the reference's rows differ in shape, masking and so in kernel path)
+LOG_SOFTMAX_BOUND = tolerance(torch.float32, 50, scale=1.0)
 
 
 def sample(logits, params):
@@ -67,7 +75,8 @@ def test_sampling_follows_the_distribution():
     probs = torch.tensor([0.6, 0.3, 0.1])
     out = sample(probs.log().repeat(20000, 1), make_params(20000, vocab=3))
     freq = torch.bincount(out, minlength=3).float() / 20000
-    assert torch.allclose(freq, probs, atol=0.02)
+    # a frequency of 20,000 draws has std sqrt(p (1 - p) / 20000) <= 0.0035: 0.02 is 5.7 std
+    assert (freq - probs).abs().max() < 0.02
 
 
 def test_seeded_rows_do_not_depend_on_batch_mates():
@@ -96,9 +105,9 @@ def test_logprobs_are_of_the_distribution_sampled():
     ids, lp = Sampler()(logits, params)
     want = torch.log_softmax(logits, -1)
     assert torch.equal(lp.rows, torch.tensor([0, 2]))
-    assert torch.allclose(lp.sampled, want[[0, 2], ids[[0, 2]]])
+    torch.testing.assert_close(lp.sampled, want[[0, 2], ids[[0, 2]]], **LOG_SOFTMAX_BOUND)
     assert torch.equal(lp.top_ids[:, 0], ids[[0, 2]])  # greedy: the token is the top one
-    assert torch.allclose(lp.top_values, want[[0, 2]].topk(4).values)
+    torch.testing.assert_close(lp.top_values, want[[0, 2]].topk(4).values, **LOG_SOFTMAX_BOUND)
     # sampled rows: after temperature, with the top-k cut at -inf
     params = make_params(1, temperature=2.0, top_k=3)
     params.logprob_rows = torch.tensor([0])
@@ -109,6 +118,6 @@ def test_logprobs_are_of_the_distribution_sampled():
     want = torch.full_like(scaled, -float("inf"))
     want[kept.indices] = torch.log_softmax(kept.values, -1)
     assert ids[0] in kept.indices
-    assert torch.allclose(lp.top_values[0, :3], want.topk(3).values)
+    torch.testing.assert_close(lp.top_values[0, :3], want.topk(3).values, **LOG_SOFTMAX_BOUND)
     assert torch.isinf(lp.top_values[0, 3:]).all()
     assert Sampler()(logits, make_params(3))[1] is None
