@@ -5,7 +5,8 @@
 #
 #     OUT=out/gpu bash scripts/gpu_checks.sh [steps...]
 #
-# Steps (default: all, in this order): env tests e2e moe bench bench3b soak.
+# Steps (default: all, in this order): env tests e2e moe bench bench3b soak; and, asked for
+# by name, kernels (the Triton paged decode kernel against the eager path, one layer).
 # Everything is logged to $OUT/log.txt (bench tables too); the soak's CSV, PNG and summary
 # land in $OUT/soak.
 # Without flatserve installed (a bare GPU machine) it runs from the checkout: wheels in
@@ -91,11 +92,17 @@ run_soak() {  # 2048px, unique images, 10% disconnects
         -- --max-num-seqs "${SOAK_CONCURRENCY:-128}"
 }
 
-export -f model run_env run_tests run_e2e run_moe run_bench run_bench3b run_soak
+run_kernels() {  # Qwen2.5-VL-3B's and Qwen3.5-0.8B's attention shapes, bf16
+    "$PY" scripts/bench_paged_decode.py --json "$OUT/paged_decode_3b.json"
+    "$PY" scripts/bench_paged_decode.py --heads 8 --kv-heads 2 --head-dim 256 --splits 8 \
+        --json "$OUT/paged_decode_0_8b.json"
+}
+
+export -f model run_env run_tests run_e2e run_moe run_bench run_bench3b run_soak run_kernels
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(env tests e2e moe bench bench3b soak)
 declare -A LIMIT=([env]=60 [tests]=100 [e2e]=300 [moe]=60 [bench]=80 [bench3b]=200
-                  [soak]=260)
+                  [soak]=260 [kernels]=90)
 for s in "${steps[@]}"; do
     step "$s" "${LIMIT[$s]}" "run_$s"
 done

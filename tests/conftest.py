@@ -1,12 +1,18 @@
 from __future__ import annotations
 
 import gc
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from shared.random_checkpoints import ensure_tiny_checkpoint
+
+if not torch.cuda.is_available():
+    # Triton kernels then run in Triton's interpreter, on CPU tensors. Triton reads this when
+    # it is first imported (its own library functions are defined then): before any test.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
