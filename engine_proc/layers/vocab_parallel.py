@@ -48,7 +48,10 @@ class _VocabRows:
 class VocabParallelEmbedding(_VocabRows, nn.Embedding):
     def __init__(self, vocab_size: int, hidden_size: int, shard: Shard = REPLICATED) -> None:
         self.start, self.end, part = shard.split_padded(vocab_size)
-        super().__init__(part, hidden_size)
+        # no random init (the checkpoint fills it): under the meta device nn.Embedding's
+        # normal_ runs torch's Python reference, whose first call imports torch._dynamo
+        # (1.4 s of every engine start)
+        super().__init__(part, hidden_size, _weight=torch.empty(part, hidden_size))
         self.vocab_size = vocab_size
         self.shard = shard
 
