@@ -45,6 +45,14 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _split_length(seq_lens_ptr, seq, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(the sequence's keys, the keys of each of its splits): each split a multiple of
+    BLOCK_N keys, so the split kernel and the merge kernel cut a sequence alike."""
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    return seq_len, tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, partial_ptr,
     scale_log2,
@@ -65,8 +73,7 @@ def _split_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    seq_len, split_len = _split_length(seq_lens_ptr, seq, NUM_SPLITS, BLOCK_N)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
     if start < end:
@@ -128,8 +135,7 @@ def _merge_kernel(
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    seq_len, split_len = _split_length(seq_lens_ptr, seq, NUM_SPLITS, BLOCK_N)
     splits = tl.arange(0, BLOCK_S)
     used = (splits < NUM_SPLITS) & (splits * split_len < seq_len)
     dims = tl.arange(0, BLOCK_D)
