@@ -3,11 +3,13 @@ where its time goes.
 
 For each batch size N, N sequences are prefilled (a prompt of --prompt-len tokens each),
 then decode-only steps are timed. Every Gated DeltaNet layer reads and writes each
-sequence's recurrent state once per step (gather by slot, one token of the rule, scatter
-back), so the state traffic grows with N while the weights are read once: the table
-prints the step time, the time per token, the state bytes moved per step and the share
-of the step in the ops that move them (index_select / index_copy_ / bmm / baddbmm / mul_
-on the state), from torch.profiler.
+sequence's recurrent state once per step (in place by slot where the CPU kernel runs,
+else gathered, advanced and scattered back), so the state traffic grows with N while the
+weights are read once: the table prints the step time, the time per token, the state
+bytes moved per step and at what rate while the states are worked on, `state_share`: the share of the step spent in the layers' conv and
+delta rule with their states (wall clock, both paths alike), and from torch.profiler the
+share in the torch ops that move states (index_select / index_copy_ / bmm / baddbmm /
+mul_: the torch path's) and in matmuls. FLATSERVE_DELTA_RULE_KERNEL=0 runs the torch path.
 
     python scripts/bench_decode_state.py --model FOLDER [--batch-sizes 1,8,32,64]
         [--dtype float32] [--threads 0] [--json out.json]
@@ -42,7 +44,27 @@ def _requests(config, n: int, prompt_len: int, seed: int):
                                                       ignore_eos=True))
 
 
-def measure(engine, config, n: int, args) -> dict:
+class StateClock:
+    """Wall time in every Gated DeltaNet layer's conv and delta rule (states included)."""
+
+    def __init__(self) -> None:
+        from engine_proc.layers.gated_delta_net import GatedDeltaNet
+
+        self.seconds = 0.0
+        for name in ("_conv", "_delta_rule"):
+            setattr(GatedDeltaNet, name, self._timed(getattr(GatedDeltaNet, name)))
+
+    def _timed(self, method):
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - started
+        return timed
+
+
+def measure(engine, config, n: int, args, clock: StateClock) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -53,10 +75,12 @@ def measure(engine, config, n: int, args) -> dict:
         engine.step()
     for _ in range(2):
         engine.step()  # warm
+    clock.seconds = 0.0
     started = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
     step_s = (time.perf_counter() - started) / args.steps
+    state_share = clock.seconds / args.steps / step_s
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(3):
             engine.step()
@@ -76,8 +100,9 @@ def measure(engine, config, n: int, args) -> dict:
     return {"running": n, "step_ms": round(step_s * 1e3, 2),
             "ms_per_token": round(step_s * 1e3 / n, 3),
             "state_mib_per_step": round(moved / 2**20, 1),
-            "state_gb_per_s": round(moved / step_s / 1e9, 2),
-            "state_ops_share": round(state, 3), "matmul_share": round(matmul, 3)}
+            "state_gb_per_s": round(moved / (state_share * step_s) / 1e9, 2),
+            "state_share": round(state_share, 3), "state_ops_share": round(state, 3),
+            "matmul_share": round(matmul, 3)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,8 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     engine = LLMEngine(args.model, max_num_seqs=max(sizes), max_model_len=args.prompt_len + 512,
                        device="cpu", dtype=args.dtype, decode_share=0.0,
                        enable_prefix_caching=False, encoder_cache_bytes=0)
-    measure(engine, config, max(sizes), args)  # warm-up: kernels and allocator at full size
-    rows = [measure(engine, config, n, args) for n in sizes]
+    clock = StateClock()
+    measure(engine, config, max(sizes), args, clock)  # warm-up: kernels, allocator at full size
+    rows = [measure(engine, config, n, args, clock) for n in sizes]
     header = list(rows[0])
     print(f"decode steps, {Path(args.model).name}, {args.dtype}, "
           f"{torch.get_num_threads()} threads")

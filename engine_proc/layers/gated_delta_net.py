@@ -4,7 +4,9 @@ sequence's conv and recurrent state in a slot of its own.
 Per layer: one projection of the whole batch into q/k/v (conv channels), the output gate z
 and the b/a heads; the causal conv and the delta rule (layers/gated_delta_rule.py); the
 gated RMSNorm; out_proj. The leading decodes of a batch run as one batch: their states
-are gathered by slot, advanced one token and scattered back. Each prefill chunk then runs
+advance one token in their slots (on a CPU in float32, a kernel reads and writes each state
+in place: layers/gated_delta_rule_cpu.py; elsewhere they are gathered by slot and scattered
+back). Each prefill chunk then runs
 on its own, from its slot's state when earlier chunks of its sequence ran
 (`has_initial_state`: tokens were computed before this chunk), else from zeros, and leaves
 its final state in the slot. So a chunk may end anywhere, and a slot's earlier owner is
@@ -31,6 +33,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from engine_proc.context import Context
 from engine_proc.distributed import REPLICATED, Shard
+from engine_proc.layers import gated_delta_rule_cpu
 from engine_proc.layers.gated_delta_rule import (
     causal_conv,
     causal_conv_step,
@@ -184,22 +187,29 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self.in_proj(x).split(
             [conv_dim, self.num_v_heads * self.head_v_dim, self.num_v_heads, self.num_v_heads],
             dim=-1)
-        qkv = self._conv(qkv, meta)
+        in_place = bool(meta.num_decodes) and gated_delta_rule_cpu.applies(
+            self.ssm_state, self.conv_state, qkv)
+        qkv = self._conv(qkv, meta, in_place)
         q, k, v = qkv.split(self.local_sizes, dim=-1)
         q = q.view(num_tokens, self.num_k_heads, self.head_k_dim)
         k = k.view(num_tokens, self.num_k_heads, self.head_k_dim)
         v = v.view(num_tokens, self.num_v_heads, self.head_v_dim)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        core = self._delta_rule(q, k, v, g, beta, meta)
+        core = self._delta_rule(q, k, v, g, beta, meta, in_place)
         core = self.norm(core.view(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(core.view(num_tokens, -1))
 
-    def _conv(self, qkv: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
+    def _conv(self, qkv: torch.Tensor, meta: StateMetadata, in_place: bool) -> torch.Tensor:
+        """in_place: the decodes' conv states advance in their slots (a CPU kernel), not
+        gathered and scattered back."""
         weight = self.conv1d.weight
         out = torch.empty_like(qkv)
         n = meta.num_decodes
-        if n:
+        if in_place:
+            gated_delta_rule_cpu.conv_decode_(self.conv_state, meta.decode_slots, qkv[:n],
+                                              weight.t(), out[:n])
+        elif n:
             states = self.conv_state.index_select(0, meta.decode_slots)
             out[:n], states = causal_conv_step(qkv[:n], weight, states)
             self.conv_state.index_copy_(0, meta.decode_slots, states.to(self.conv_state.dtype))
@@ -211,10 +221,13 @@ class GatedDeltaNet(nn.Module):
                 self.conv_state[span.slot] = state
         return out
 
-    def _delta_rule(self, q, k, v, g, beta, meta: StateMetadata) -> torch.Tensor:
+    def _delta_rule(self, q, k, v, g, beta, meta: StateMetadata, in_place: bool) -> torch.Tensor:
         out = v.new_empty(v.shape)
         n = meta.num_decodes
-        if n:
+        if in_place:
+            gated_delta_rule_cpu.gated_delta_rule_decode_(
+                self.ssm_state, meta.decode_slots, q[:n], k[:n], v[:n], g[:n], beta[:n], out[:n])
+        elif n:
             states = self.ssm_state.index_select(0, meta.decode_slots)
             o, states = recurrent_gated_delta_rule(
                 q[:n, None], k[:n, None], v[:n, None], g[:n, None], beta[:n, None],
