@@ -4,9 +4,10 @@ sequence's conv and recurrent state in a slot of its own.
 Per layer: one projection of the whole batch into q/k/v (conv channels), the output gate z
 and the b/a heads; the causal conv and the delta rule (layers/gated_delta_rule.py); the
 gated RMSNorm; out_proj. The leading decodes of a batch run as one batch: their states
-advance one token in their slots (on a CPU in float32, a kernel reads and writes each state
-in place: layers/gated_delta_rule_cpu.py; elsewhere they are gathered by slot and scattered
-back). Each prefill chunk then runs
+advance one token in their slots, each state read and written in place by a kernel
+(`decode_kernels`: layers/gated_delta_rule_cpu.py on a CPU in float32,
+gated_delta_rule_triton.py on a GPU); elsewhere they are gathered by slot and scattered
+back. Each prefill chunk then runs
 on its own, from its slot's state when earlier chunks of its sequence ran
 (`has_initial_state`: tokens were computed before this chunk), else from zeros, and leaves
 its final state in the slot. So a chunk may end anywhere, and a slot's earlier owner is
@@ -24,6 +25,8 @@ apart per part, and out_proj is row parallel.
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +46,8 @@ from engine_proc.layers.gated_delta_rule import (
 from engine_proc.layers.linear import MergedLinear, RowParallelLinear
 from engine_proc.layers.rms_norm import GatedRMSNorm
 from shared.model_config import TextConfig
+
+logger = logging.getLogger(__name__)
 
 RECURRENT_MAX_TOKENS = 8  # prefill chunks this short run token by token
 # Longer chunks of one step run the chunked rule together, zero-padded to the longest of
@@ -187,8 +192,8 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self.in_proj(x).split(
             [conv_dim, self.num_v_heads * self.head_v_dim, self.num_v_heads, self.num_v_heads],
             dim=-1)
-        in_place = bool(meta.num_decodes) and gated_delta_rule_cpu.applies(
-            self.ssm_state, self.conv_state, qkv)
+        in_place = decode_kernels(self.ssm_state, self.conv_state, qkv) \
+            if meta.num_decodes else None
         qkv = self._conv(qkv, meta, in_place)
         q, k, v = qkv.split(self.local_sizes, dim=-1)
         q = q.view(num_tokens, self.num_k_heads, self.head_k_dim)
@@ -200,15 +205,14 @@ class GatedDeltaNet(nn.Module):
         core = self.norm(core.view(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(core.view(num_tokens, -1))
 
-    def _conv(self, qkv: torch.Tensor, meta: StateMetadata, in_place: bool) -> torch.Tensor:
-        """in_place: the decodes' conv states advance in their slots (a CPU kernel), not
-        gathered and scattered back."""
+    def _conv(self, qkv: torch.Tensor, meta: StateMetadata, in_place) -> torch.Tensor:
+        """in_place: the kernels (`decode_kernels`) that advance the decodes' conv states in
+        their slots; None: gather them and scatter them back."""
         weight = self.conv1d.weight
         out = torch.empty_like(qkv)
         n = meta.num_decodes
         if in_place:
-            gated_delta_rule_cpu.conv_decode_(self.conv_state, meta.decode_slots, qkv[:n],
-                                              weight.t(), out[:n])
+            in_place.conv_decode_(self.conv_state, meta.decode_slots, qkv[:n], weight, out[:n])
         elif n:
             states = self.conv_state.index_select(0, meta.decode_slots)
             out[:n], states = causal_conv_step(qkv[:n], weight, states)
@@ -221,11 +225,11 @@ class GatedDeltaNet(nn.Module):
                 self.conv_state[span.slot] = state
         return out
 
-    def _delta_rule(self, q, k, v, g, beta, meta: StateMetadata, in_place: bool) -> torch.Tensor:
+    def _delta_rule(self, q, k, v, g, beta, meta: StateMetadata, in_place) -> torch.Tensor:
         out = v.new_empty(v.shape)
         n = meta.num_decodes
         if in_place:
-            gated_delta_rule_cpu.gated_delta_rule_decode_(
+            in_place.gated_delta_rule_decode_(
                 self.ssm_state, meta.decode_slots, q[:n], k[:n], v[:n], g[:n], beta[:n], out[:n])
         elif n:
             states = self.ssm_state.index_select(0, meta.decode_slots)
@@ -271,6 +275,31 @@ class GatedDeltaNet(nn.Module):
             out[span.start : span.end] = o[i, : span.end - span.start]
             if keep:
                 self.ssm_state[span.slot] = state[i]
+
+
+def decode_kernels(ssm_state: torch.Tensor, conv_state: torch.Tensor, qkv: torch.Tensor):
+    """The module whose `gated_delta_rule_decode_` and `conv_decode_` advance a layer's
+    decodes in their slots on this device (the C kernels on a CPU in float32, the Triton ones
+    on a GPU), or None: the torch form, states gathered and scattered back."""
+    if qkv.is_cuda:
+        kernels = _triton_kernels()
+        states_ok = (ssm_state.stride(3) == 1 and ssm_state.stride(2) == ssm_state.shape[3]
+                     and conv_state.is_contiguous())
+        return kernels if kernels is not None and states_ok else None
+    if gated_delta_rule_cpu.applies(ssm_state, conv_state, qkv):
+        return gated_delta_rule_cpu
+    return None
+
+
+@functools.cache
+def _triton_kernels():
+    try:
+        from engine_proc.layers import gated_delta_rule_triton
+    except ImportError as e:  # no triton: logged once
+        logger.warning("Triton unavailable (%s): Gated DeltaNet decodes gather and scatter "
+                       "their states", e)
+        return None
+    return gated_delta_rule_triton
 
 
 def _padding_groups(spans: list[_Span]) -> list[list[_Span]]:

@@ -54,11 +54,11 @@ def applies(ssm_state: torch.Tensor, conv_state: torch.Tensor, qkv: torch.Tensor
 
 
 def conv_decode_(conv_state: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
-                 weight_t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """x [N, C] (rows may be strided), weight_t [K, C] -> silu(conv) into out [N, C]
+                 weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """x [N, C] (rows may be strided), weight [C, K] -> silu(conv) into out [N, C]
     (contiguous); each slot's state [K-1, C] advances in place."""
     n, channels = x.shape
-    weight_t = weight_t.contiguous()
+    weight_t = weight.t().contiguous()  # tap-major: 8 channels a vector
     library().conv_decode_f32(conv_state.data_ptr(), slots.data_ptr(), x.data_ptr(),
                               weight_t.data_ptr(), out.data_ptr(), n, channels,
                               weight_t.shape[0], x.stride(0))

@@ -59,7 +59,7 @@ def test_conv_step_shifts_each_slot_in_place_as_the_torch_step():
     before = cache[untouched].clone()
     for _ in range(STEPS):
         x = torch.randn(len(SLOT_OF), channels + 16, generator=gen)[:, 8 : 8 + channels]
-        out = kernel.conv_decode_(cache, SLOT_OF, x, weight.t(), torch.empty(len(SLOT_OF), channels))
+        out = kernel.conv_decode_(cache, SLOT_OF, x, weight, torch.empty(len(SLOT_OF), channels))
         ref_out, reference = causal_conv_step(x, weight, reference)
         torch.testing.assert_close(out, ref_out, **tolerance_for(ref_out, width))
         assert torch.equal(cache[SLOT_OF], reference)  # a shift: the same bits

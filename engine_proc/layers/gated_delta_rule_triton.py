@@ -1,0 +1,119 @@
+"""Gated DeltaNet decodes on a GPU with the states read and written in place by slot: the
+project's Triton kernels for one token per sequence, the delta rule and the causal conv.
+
+Same ops as the torch form (engine_proc/layers/gated_delta_rule.py, the readable
+definition and the tests' reference) on one token, in its order: decay the state, read
+k^T S, write k (x) (v - k^T S) * beta, read S^T q, with q and k l2-normalized in the kernel
+(q also scaled by dk^-0.5). Each program owns one (sequence, value head, block of BV value
+columns): it loads that block of the sequence's state [dk, BV] from its slot once, in
+float32, and stores it back; the key head it reads is h // (Hv / Hk). The conv kernel reads
+each slot's last K-1 inputs, writes silu(conv) and shifts the new input in, in place.
+
+No gather or scatter copies, no host sync; the launch shapes depend only on the number of
+sequences and the layer's sizes, and the slots are read on the device, so a CUDA graph can
+replay them (padding rows point at a slot no sequence owns: engine_proc/cuda_graphs.py).
+Prefill chunks take the chunked rule (flash-linear-attention's kernels where installed).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_V = 32  # value columns per program
+BLOCK_C = 256  # conv channels per program
+
+
+@triton.jit
+def _decode_kernel(
+    state_ptr, slots_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr,
+    stride_state_slot, stride_state_head, stride_qk_row, stride_v_row, stride_gb_row,
+    scale, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    cols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    rows = tl.arange(0, BLOCK_K)
+    row_ok = rows < DK
+    col_ok = cols < DV
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    key_head = head // GROUP
+    q = tl.load(q_ptr + seq * stride_qk_row + key_head * DK + rows, mask=row_ok,
+                other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + seq * stride_qk_row + key_head * DK + rows, mask=row_ok,
+                other=0.0).to(tl.float32)
+    q = q * (scale / tl.sqrt(tl.sum(q * q) + 1e-6))
+    k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
+    v = tl.load(v_ptr + seq * stride_v_row + head * DV + cols, mask=col_ok,
+                other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + seq * stride_gb_row + head).to(tl.float32)
+    beta = tl.load(beta_ptr + seq * stride_gb_row + head).to(tl.float32)
+
+    block = (state_ptr + slot * stride_state_slot + head * stride_state_head
+             + rows[:, None] * DV + cols[None, :])
+    mask = row_ok[:, None] & col_ok[None, :]
+    s = tl.load(block, mask=mask, other=0.0).to(tl.float32) * tl.exp(g)
+    delta = (v - tl.sum(k[:, None] * s, axis=0)) * beta
+    s = s + k[:, None] * delta[None, :]
+    o = tl.sum(q[:, None] * s, axis=0)
+    tl.store(block, s.to(state_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + (seq * tl.num_programs(1) + head) * DV + cols,
+             o.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _conv_kernel(
+    state_ptr, slots_ptr, x_ptr, weight_ptr, out_ptr,
+    stride_state_slot, stride_x_row, channels,
+    WIDTH: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = cols < channels
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    state = state_ptr + slot * stride_state_slot + cols
+    x = tl.load(x_ptr + seq * stride_x_row + cols, mask=ok, other=0.0)
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(WIDTH - 1):  # the taps in order, as the torch form sums them
+        tap = tl.load(state + j * channels, mask=ok, other=0.0).to(tl.float32)
+        acc += tap * tl.load(weight_ptr + cols * WIDTH + j, mask=ok, other=0.0).to(tl.float32)
+        if j > 0:
+            tl.store(state + (j - 1) * channels, tap.to(state_ptr.dtype.element_ty), mask=ok)
+    acc += x.to(tl.float32) * tl.load(weight_ptr + cols * WIDTH + WIDTH - 1, mask=ok,
+                                      other=0.0).to(tl.float32)
+    tl.store(state + (WIDTH - 2) * channels, x.to(state_ptr.dtype.element_ty), mask=ok)
+    out = (acc.to(out_ptr.dtype.element_ty)).to(tl.float32)  # rounded once, then silu
+    tl.store(out_ptr + seq * channels + cols,
+             (out / (1.0 + tl.exp(-out))).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def gated_delta_rule_decode_(ssm_state: torch.Tensor, slots: torch.Tensor, q: torch.Tensor,
+                             k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                             beta: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """q, k [N, Hk, dk] and v [N, Hv, dv] (rows may be strided, heads contiguous; q and k
+    rows alike), g, beta [N, Hv] (rows alike) -> o into out [N, Hv, dv] (contiguous); each
+    slot's state [Hv, dk, dv] of ssm_state [slots, Hv, dk, dv] (each state contiguous)
+    advances in place."""
+    n, hk, dk = k.shape
+    hv, dv = v.shape[1:]
+    if n:
+        _decode_kernel[(n, hv, triton.cdiv(dv, BLOCK_V))](
+            ssm_state, slots, q, k, v, g, beta, out,
+            ssm_state.stride(0), ssm_state.stride(1), q.stride(0), v.stride(0), g.stride(0),
+            dk**-0.5, GROUP=hv // hk, DK=dk, DV=dv, BLOCK_K=triton.next_power_of_2(dk),
+            BLOCK_V=BLOCK_V)
+    return out
+
+
+def conv_decode_(conv_state: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
+                 weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """x [N, C] (rows may be strided), weight [C, K] contiguous -> silu(conv) into out [N, C]
+    (contiguous); each slot's state [K-1, C] of conv_state [slots, K-1, C] shifts in place."""
+    n, channels = x.shape
+    if n:
+        _conv_kernel[(n, triton.cdiv(channels, BLOCK_C))](
+            conv_state, slots, x, weight, out, conv_state.stride(0), x.stride(0), channels,
+            WIDTH=weight.shape[1], BLOCK_C=BLOCK_C)
+    return out

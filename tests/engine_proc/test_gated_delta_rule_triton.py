@@ -1,0 +1,103 @@
+"""The Triton decode kernels (by slot, in place) against the torch form: several steps, slots
+out of order, two value heads per key head, a head dim that is not a power of two. Without
+CUDA they run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from engine_proc.layers import gated_delta_rule_triton as kernel  # noqa: E402
+from engine_proc.layers.gated_delta_rule import (  # noqa: E402
+    causal_conv_step,
+    recurrent_gated_delta_rule,
+)
+from tests.tolerance import tolerance_for  # noqa: E402
+
+ON_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if ON_CUDA else "cpu"
+pytestmark = [pytest.mark.numeric,
+              pytest.mark.skipif(not ON_CUDA and os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="no CUDA device, and TRITON_INTERPRET is not 1")]
+
+SLOTS, STEPS = 7, 3
+SLOT_OF = torch.tensor([5, 1, 3], dtype=torch.int64, device=DEVICE)
+
+
+def _step_inputs(n: int, hk: int, hv: int, dk: int, dv: int, gen: torch.Generator):
+    width = 2 * hk * dk + hv * dv
+    qkv = torch.randn(n, width + 8, generator=gen).to(DEVICE)  # rows wider than q|k|v
+    q = qkv[:, : hk * dk].view(n, hk, dk)
+    k = qkv[:, hk * dk : 2 * hk * dk].view(n, hk, dk)
+    v = qkv[:, 2 * hk * dk : width].view(n, hv, dv)
+    g = (-torch.rand(n, hv, generator=gen) * 2).to(DEVICE)
+    beta = torch.rand(n, hv, generator=gen).to(DEVICE)
+    return q, k, v, g, beta
+
+
+@pytest.mark.parametrize("dk,dv", [(32, 32), (24, 40)])
+def test_decode_advances_each_slot_in_place_as_the_torch_rule(dk, dv):
+    hk, hv = 2, 4
+    gen = torch.Generator().manual_seed(dk)
+    cache = torch.randn(SLOTS, hv, dk, dv, generator=gen).to(DEVICE)
+    reference = cache[SLOT_OF].clone()
+    untouched = [s for s in range(SLOTS) if s not in SLOT_OF.tolist()]
+    before = cache[untouched].clone()
+    for _ in range(STEPS):
+        q, k, v, g, beta = _step_inputs(len(SLOT_OF), hk, hv, dk, dv, gen)
+        out = torch.empty(len(SLOT_OF), hv, dv, device=DEVICE)
+        kernel.gated_delta_rule_decode_(cache, SLOT_OF, q, k, v, g, beta, out)
+        ref_out, reference = recurrent_gated_delta_rule(
+            q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None],
+            initial_state=reference)
+        # a sum over dk per step, chained over the steps; |q| = dk^-1/2 after its norm, so
+        # the state's size is the scale of both
+        torch.testing.assert_close(out, ref_out[:, 0], **tolerance_for(reference, STEPS * dk))
+    torch.testing.assert_close(cache[SLOT_OF], reference, **tolerance_for(reference, STEPS * dk))
+    assert torch.equal(cache[untouched], before)
+
+
+@pytest.mark.parametrize("channels,width", [(48, 4), (300, 3)])
+def test_conv_step_shifts_each_slot_in_place_as_the_torch_step(channels, width):
+    gen = torch.Generator().manual_seed(channels)
+    cache = torch.randn(SLOTS, width - 1, channels, generator=gen).to(DEVICE)
+    weight = torch.randn(channels, width, generator=gen).to(DEVICE)
+    reference = cache[SLOT_OF].clone()
+    untouched = [s for s in range(SLOTS) if s not in SLOT_OF.tolist()]
+    before = cache[untouched].clone()
+    for _ in range(STEPS):
+        x = torch.randn(len(SLOT_OF), channels + 16, generator=gen).to(DEVICE)[:, 8 : 8 + channels]
+        out = torch.empty(len(SLOT_OF), channels, device=DEVICE)
+        kernel.conv_decode_(cache, SLOT_OF, x, weight, out)
+        ref_out, reference = causal_conv_step(x, weight, reference)
+        torch.testing.assert_close(out, ref_out, **tolerance_for(ref_out, width))
+        assert torch.equal(cache[SLOT_OF], reference)  # a shift: the same bits
+    assert torch.equal(cache[untouched], before)
+
+
+def test_an_engine_decoding_through_the_kernels_gives_transformers_tokens(monkeypatch):
+    """The tiny Qwen3.5 served with every Gated DeltaNet decode through these kernels (in the
+    interpreter on a CPU): greedy tokens are transformers', with a long and an image prompt
+    decoding side by side."""
+    from engine_proc.layers import gated_delta_net
+    from shared.model_config import load_model_config
+    from shared.random_checkpoints import TINY_QWEN3_5, ensure_checkpoint
+    from tests.engine_proc.engine_factory import make_engine
+    from tests.engine_proc.test_engine import Reference, make_request
+
+    calls = []
+    monkeypatch.setattr(gated_delta_net, "decode_kernels",
+                        lambda *args: calls.append(1) or kernel)
+    path = ensure_checkpoint(TINY_QWEN3_5)
+    config = load_model_config(path)
+    engine = make_engine(path, max_num_seqs=2, device=DEVICE)
+    prompts = {"long": ([150], 0), "img": ([20, (4, 6), 30], 1)}
+    out = engine.generate([make_request(config, rid, p, images) for rid, (p, images)
+                           in prompts.items()])
+    reference = Reference(path)
+    for rid, (p, images) in prompts.items():
+        assert out[rid] == reference.greedy(config, p, images)
+    assert calls
