@@ -6,11 +6,13 @@
 #     OUT=out/gpu bash scripts/gpu_checks.sh [steps...]
 #
 # Steps (default: all, in this order): env tests e2e moe bench bench3b soak; and, asked for
-# by name, kernels (the Triton paged decode kernel against the eager path, one layer).
+# by name, kernels (the Triton paged decode kernel against the eager path, one layer) and
+# bench35 (the qwen3.5-0.8b preset's rows: text c=1/32/128, 448px c=32).
 # Everything is logged to $OUT/log.txt (bench tables too); the soak's CSV, PNG and summary
 # land in $OUT/soak.
 # Without flatserve installed (a bare GPU machine) it runs from the checkout: wheels in
-# ./.whl (if present) are installed into /tmp/site first. Environment knobs:
+# ./.whl (if present: the project's dependencies, fla-core and einops) are installed into
+# /tmp/site first. Environment knobs:
 # SOAK_REQUESTS (2000), SOAK_CONCURRENCY (128), SOAK_SIZE (2048), BENCH_REQUESTS (200).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +23,7 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] && PY=${PYTHON:-.venv/bin/python}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-if [ -d .whl ] && ! "$PY" -c "import zmq, fastapi, xgrammar, av" 2>/dev/null; then
+if [ -d .whl ] && ! "$PY" -c "import zmq, fastapi, xgrammar, av, fla" 2>/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl >>"$LOG" 2>&1 || { echo "wheel install failed"; exit 1; }
     export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
@@ -51,8 +53,11 @@ v('transformers'), 'xgrammar', v('xgrammar'))"
     nproc
 }
 
-run_tests() {
+run_tests() {  # the GPU-marked tests, then the Triton kernels' tests on the card
     "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/engine_proc
+    "$PY" -m pytest -q -p no:cacheprovider tests/engine_proc/test_gated_delta_rule_triton.py \
+        tests/engine_proc/test_gated_delta_rule_fla.py \
+        tests/engine_proc/test_paged_decode_attention_triton.py
 }
 
 run_e2e() {  # every family served with its engine on CUDA, against transformers' tokens
@@ -85,6 +90,18 @@ run_bench3b() {  # Qwen2.5-VL-3B shapes, random bf16 weights
         -- --model "$m"
 }
 
+run_bench35() {  # Qwen3.5-0.8B shapes, random bf16 weights (the Qwen3.5-on-GPU issue's rows)
+    local m
+    m=$(model qwen3.5-0.8b)
+    for c in 1 32 128; do
+        $FS bench --workload text --prompt-len 256 --output-len 128 --ignore-eos \
+            --concurrency "$c" --num-requests $(( c < 32 ? 8 : 2 * c )) --no-progress \
+            -- --model "$m" --max-num-seqs 128
+    done
+    $FS bench --workload image --image-size 448 --output-len 64 --ignore-eos \
+        --concurrency 32 --num-requests 128 --no-progress -- --model "$m" --max-num-seqs 128
+}
+
 run_soak() {  # 2048px, unique images, 10% disconnects
     $FS soak --requests "${SOAK_REQUESTS:-2000}" \
         --concurrency "${SOAK_CONCURRENCY:-128}" --image-size "${SOAK_SIZE:-2048}" \
@@ -98,11 +115,12 @@ run_kernels() {  # Qwen2.5-VL-3B's and Qwen3.5-0.8B's attention shapes, bf16
         --json "$OUT/paged_decode_0_8b.json"
 }
 
-export -f model run_env run_tests run_e2e run_moe run_bench run_bench3b run_soak run_kernels
+export -f model run_env run_tests run_e2e run_moe run_bench run_bench3b run_bench35 run_soak \
+    run_kernels
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(env tests e2e moe bench bench3b soak)
 declare -A LIMIT=([env]=60 [tests]=100 [e2e]=300 [moe]=60 [bench]=80 [bench3b]=200
-                  [soak]=260 [kernels]=90)
+                  [soak]=260 [kernels]=90 [bench35]=240)
 for s in "${steps[@]}"; do
     step "$s" "${LIMIT[$s]}" "run_$s"
 done

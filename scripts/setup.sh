@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Create .venv and install flatserve with its dev extra. Where no NVIDIA GPU is visible,
-# the CPU build of torch goes in first so the project's torch range installs nothing more.
+# Create .venv and install flatserve with its dev extra (and the gpu extra where an NVIDIA
+# GPU is visible). Where none is, the CPU build of torch goes in first so the project's
+# torch range installs nothing more.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -14,4 +15,8 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
       || .venv/bin/pip install -q "torch>=2.4,<3" --index-url https://download.pytorch.org/whl/cpu
   fi
 fi
-.venv/bin/pip install -q -e ".[dev]"
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  .venv/bin/pip install -q -e ".[dev,gpu]"
+else
+  .venv/bin/pip install -q -e ".[dev]"
+fi

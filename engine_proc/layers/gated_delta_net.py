@@ -36,7 +36,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from engine_proc.context import Context
 from engine_proc.distributed import REPLICATED, Shard
-from engine_proc.layers import gated_delta_rule_cpu
+from engine_proc.layers import gated_delta_rule_cpu, gated_delta_rule_fla
 from engine_proc.layers.gated_delta_rule import (
     causal_conv,
     causal_conv_step,
@@ -82,6 +82,19 @@ class StateMetadata:
         self.short = [sp for sp in self.spans if sp.end - sp.start <= RECURRENT_MAX_TOKENS]
         self.groups = _padding_groups(
             [sp for sp in self.spans if sp.end - sp.start > RECURRENT_MAX_TOKENS])
+        self._span_tensors: tuple | None = None
+
+    def span_tensors(self, device: torch.device) -> tuple:
+        """(cu_seqlens int64 [N+1] from the first span's start, slots int64 [N], has_initial
+        bool [N] or None when no state is kept) on `device`, built once for all layers."""
+        if self._span_tensors is None:
+            first = self.spans[0].start
+            cu = torch.tensor([first] + [sp.end for sp in self.spans]) - first
+            slots = torch.tensor([max(sp.slot, 0) for sp in self.spans])
+            initial = torch.tensor([sp.has_initial_state for sp in self.spans])
+            self._span_tensors = (cu.to(device), slots.to(device),
+                                  initial.to(device) if self.keep else None)
+        return self._span_tensors
 
 
 def build_state_metadata(ctx: Context, num_tokens: int) -> StateMetadata:
@@ -239,6 +252,10 @@ class GatedDeltaNet(nn.Module):
             out[:n] = o[:, 0]
             self.ssm_state.index_copy_(0, meta.decode_slots, states.to(self.ssm_state.dtype))
         keep = meta.keep
+        if meta.spans and (rule := gated_delta_rule_fla.prefill_rule(q.device)) is not None:
+            gated_delta_rule_fla.prefill_(rule, self.ssm_state, meta.spans[0].start,
+                                          *meta.span_tensors(q.device), q, k, v, g, beta, out)
+            return out
         for span in meta.short:
             self._one_span(recurrent_gated_delta_rule, span, (q, k, v, g, beta), out, keep)
         for group in meta.groups:

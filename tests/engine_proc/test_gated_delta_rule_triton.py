@@ -94,10 +94,10 @@ def test_an_engine_decoding_through_the_kernels_gives_transformers_tokens(monkey
     path = ensure_checkpoint(TINY_QWEN3_5)
     config = load_model_config(path)
     engine = make_engine(path, max_num_seqs=2, device=DEVICE)
-    prompts = {"long": ([150], 0), "img": ([20, (4, 6), 30], 1)}
-    out = engine.generate([make_request(config, rid, p, images) for rid, (p, images)
+    prompts = {"long": [150], "img": [20, (4, 6), 30]}
+    out = engine.generate([make_request(config, rid, segments) for rid, segments
                            in prompts.items()])
     reference = Reference(path)
-    for rid, (p, images) in prompts.items():
-        assert out[rid] == reference.greedy(config, p, images)
+    for rid, segments in prompts.items():
+        assert out[rid] == reference.greedy(config, segments)
     assert calls
