@@ -24,7 +24,7 @@ def varlen_torch_rule(q, k, v, g, beta, *, initial_state, output_final_state,
     assert use_qk_l2norm_in_kernel and q.shape[0] == 1
     bounds = cu_seqlens.tolist()
     outs, finals = [], []
-    for i, (s, e) in enumerate(zip(bounds, bounds[1:])):
+    for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
         state = None if initial_state is None else initial_state[i : i + 1]
         o, final = chunk_gated_delta_rule(*(x[:, s:e] for x in (q, k, v, g, beta)),
                                           initial_state=state)
