@@ -20,9 +20,11 @@ On a CPU (or with `use_graphs=False`) `DecodeGraphs` runs the same copy-in, padd
 slicing with an eager call in place of the replay, so the CPU tests cover all of it but the
 graph itself. It is not meant to serve there: padded batches only cost a CPU time.
 
-Not wired into the model runner yet (the decode step runs eagerly on every device): the
-flags that will steer it (vLLM's --no-enforce-eager, --cudagraph-capture-sizes,
---max-cudagraph-capture-size) are refused until it is.
+The model runner (one rank) captures them at start with --no-enforce-eager on CUDA and
+replays them for decode-only steps without state copies or prompt log-probs; the attention
+layers' decodes read the paged cache through the Triton kernel there, Qwen3.5's states
+advance in place by slot (layers/gated_delta_rule_triton.py). A capture that fails (an op
+that waits on the host) leaves the engine eager, with one warning.
 """
 
 from __future__ import annotations

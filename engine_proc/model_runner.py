@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from engine_proc.cuda_graphs import DecodeGraphs, DecodePadding
 from engine_proc.distributed import all_reduce_min, tp_shard
 from engine_proc.encoder_cache import EncoderCache
 from engine_proc.layers import paged_attention_cpu, rms_norm_cpu, rotary_cpu
@@ -33,7 +34,12 @@ from engine_proc.sampler import GrammarMask, Sampler, SamplingBatch
 from engine_proc.scheduler import ScheduledBatch
 from engine_proc.sequence import ImageSpan, Sequence
 from engine_proc.state_cache import StateShape, allocate_state_cache, plan_state_slots
-from engine_proc.step_inputs import ImagePieces, StepInputs, forward_step
+from engine_proc.step_inputs import (
+    ImagePieces,
+    StepInputs,
+    forward_decode_buffers,
+    forward_step,
+)
 from engine_proc.tensor_parallel import TensorParallelWorkers, rank_device
 from shared.messages import TokenLogprobs
 from shared.model_config import ModelConfig, tensor_parallel_problem
@@ -108,6 +114,8 @@ class ModelRunner:
         ssm_state_dtype: str | None = None,
         state_snapshot_bytes: int = 0,
         pack_weights: bool = False,
+        cuda_graph_sizes: tuple[int, ...] = (),
+        graph_stand_in: bool = False,
     ):
         """tensor_parallel_size > 1: this runner is rank 0 and starts the other ranks
         (engine_proc/tensor_parallel.py; `tp_label` names them); vision=False: a worker
@@ -120,7 +128,11 @@ class ModelRunner:
         `state_snapshot_bytes`: states kept for prefix caching (engine_proc/state_snapshots.py),
         -1 for one per slot; from the budget after the slots, fewer if it is short.
         `pack_weights` (--pack-weights): on a CPU in float32, linear layers run through oneDNN
-        on weights packed once (engine_proc/layers/packed_linear.py)."""
+        on weights packed once (engine_proc/layers/packed_linear.py).
+        `cuda_graph_sizes`: on CUDA (one rank), decode-only steps of up to the largest size
+        replay CUDA graphs captured at start for these batch sizes (engine_proc/cuda_graphs.py;
+        one KV block and one state slot are kept out of the pools for their padding rows).
+        `graph_stand_in` runs the same buffers and padding eagerly on any device (tests)."""
         self.config = config
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, config)
@@ -176,13 +188,35 @@ class ModelRunner:
             paged_attention_cpu.library()  # built (or found) now, not in the first step
             rms_norm_cpu.library()
             rotary_cpu.library()
-        self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
+        graphs = bool(cuda_graph_sizes) and self.workers is None and (
+            self.on_cuda or graph_stand_in)
+        # the padding rows' KV block and state slot: one past those the pools hand out
+        self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks + graphs)
         self.state_cache = None
         if self.state_shape is not None:
             self.state_cache = allocate_state_cache(
-                self.model, self.state_shape, self.num_state_slots + self.num_state_snapshots,
-                self.device)
+                self.model, self.state_shape,
+                self.num_state_slots + self.num_state_snapshots + graphs, self.device)
         self.encoder_cache = EncoderCache(0)  # sized by the engine (default_encoder_cache_bytes)
+        self.decode_graphs = (self._capture_decode_graphs(cuda_graph_sizes, graph_stand_in)
+                              if graphs else None)
+
+    def _capture_decode_graphs(self, sizes: tuple[int, ...], stand_in: bool
+                               ) -> DecodeGraphs | None:
+        padding = DecodePadding.reserved_block(
+            self.num_kv_blocks, self.block_size,
+            self.num_state_slots + self.num_state_snapshots if self.state_shape else -1)
+        graphs = DecodeGraphs(sizes, -(-self.max_model_len // self.block_size), padding,
+                              state_slots=self.state_shape is not None, device=self.device,
+                              use_graphs=self.on_cuda and not stand_in)
+        try:
+            graphs.capture(lambda buffers: forward_decode_buffers(self.model, buffers,
+                                                                  self.block_size))
+        except Exception:  # e.g. an op that waits on the host (the looped MoE path)
+            logger.warning("decode steps run eagerly: capturing their CUDA graphs failed",
+                           exc_info=True)
+            return None
+        return graphs
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (the runner is unusable after)."""
@@ -340,6 +374,9 @@ class ModelRunner:
                 self._forward(StepInputs.copies_only(_pairs(batch.state_restores)), [])
             return [], None
         inputs, sample_seqs, prompt = self.prepare(batch)
+        if self._replays(inputs, prompt):
+            logits = self.model.compute_logits(self.decode_graphs.replay(inputs))
+            return self._sample(logits, sample_seqs)
         pieces = self._image_rows(batch, inputs)  # vision work, on rank 0 only
         logits = self._forward(inputs, pieces)
         del pieces
@@ -350,6 +387,18 @@ class ModelRunner:
             logits = logits[:len(sample_seqs)]
             if not sample_seqs:
                 return [], None
+        return self._sample(logits, sample_seqs)
+
+    def _replays(self, inputs: StepInputs, prompt: PromptRows | None) -> bool:
+        """Whether the step replays a decode graph: decodes only, no state copies or prompt
+        rows, at most the largest captured size."""
+        graphs = self.decode_graphs
+        return (graphs is not None and inputs.all_decode and prompt is None
+                and not len(inputs.state_restores) and not len(inputs.state_saves)
+                and graphs.bucket(len(inputs.input_ids)) is not None)
+
+    def _sample(self, logits: torch.Tensor, sample_seqs: list[Sequence]
+                ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
         token_ids, logprobs = self.sampler(logits, self.prepare_sampling(sample_seqs))
         token_ids = token_ids.tolist()  # the one host sync of a step without log-probs
         if logprobs is None:

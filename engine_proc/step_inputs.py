@@ -166,6 +166,23 @@ def forward_step(model: torch.nn.Module, inputs: StepInputs, pieces: ImagePieces
     return model.compute_logits(hidden)
 
 
+def forward_decode_buffers(model: torch.nn.Module, buffers, block_size: int) -> torch.Tensor:
+    """A decode-only step's hidden states [size, hidden] from the static buffers a CUDA
+    graph records (engine_proc/cuda_graphs.py's DecodeBuffers): nothing here depends on the
+    lengths on the host, so the recorded kernels replay for any step of that size. The
+    logits are computed outside (eager): a row per sequence of the whole vocabulary."""
+    size = buffers.input_ids.shape[0]
+    set_context(Context(
+        query_start_loc=buffers.query_start_loc, seq_lens=buffers.seq_lens,
+        slot_mapping=buffers.slot_mapping, block_tables=buffers.block_tables, max_q_len=1,
+        max_seq_len=buffers.block_tables.shape[1] * block_size, all_decode=True,
+        num_decodes=size, state_slots=buffers.state_slots))
+    try:
+        return model(model.embed_tokens(buffers.input_ids), buffers.positions, None)
+    finally:
+        reset_context()
+
+
 def copy_state_slots(state_cache: tuple[torch.Tensor, ...], pairs: np.ndarray,
                      to_device: Callable[[np.ndarray], torch.Tensor]) -> None:
     """Copy each pair's first slot over its second, in every state tensor (layers first)."""

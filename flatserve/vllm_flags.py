@@ -27,15 +27,14 @@ class VllmFlag:
 
 NO_HUB = "flatserve serves local checkpoint folders only: no hub downloads"
 NO_LORA = "no LoRA adapters"
-EAGER = "engines always run eagerly: no CUDA graphs, no torch.compile"
+EAGER = ("no torch.compile: decode graphs are flatserve's own (--no-enforce-eager, "
+         "--cudagraph-capture-sizes, --max-cudagraph-capture-size)")
 
 FLAGS = (
     # accepted where they describe what flatserve always does
     VllmFlag(("--trust-remote-code", "--no-trust-remote-code"),
              "flatserve runs no code from model folders (its own model code, tokenizer.json "
              "read directly)", False, ("--trust-remote-code", "--no-trust-remote-code")),
-    VllmFlag(("--enforce-eager",), EAGER, False, ("--enforce-eager",)),
-    VllmFlag(("--no-enforce-eager",), EAGER, False),
     VllmFlag(("--enable-chunked-prefill",),
              "chunked prefill is always on (--max-num-batched-tokens per step)", False,
              ("--enable-chunked-prefill",)),

@@ -78,6 +78,16 @@ class EngineConfig:
         "flag): attention heads, MLP rows and the vocabulary are split, the vision tower runs "
         "whole on the first rank. On a CPU the ranks share its cores: with few cores it is "
         "not faster than 1 (see docs/design.md, \"Tensor parallelism\")")
+    enforce_eager: bool = opt(
+        True, "run every step eagerly (vLLM's flag); --no-enforce-eager: on CUDA, decode-only "
+        "steps replay CUDA graphs captured at start for their batch size (one rank; no "
+        "effect on a CPU). Off by default until a GPU run has shown its tokens identical")
+    cudagraph_capture_sizes: tuple[int, ...] = opt(
+        (), "batch sizes to capture decode graphs for (vLLM's flag; default: 1, 2, 4, then "
+        "every 8 up to --max-cudagraph-capture-size)")
+    max_cudagraph_capture_size: int = opt(
+        0, "largest decode batch run as a graph (vLLM's flag; 0: the largest capture size, "
+        "else 512), never above --max-num-seqs")
     pack_weights: bool = opt(
         False, "on a CPU in float32, pack the linear layers' weights once for oneDNN's GEMM "
         "(1.1-1.4x at serving batch sizes, float32 rounding apart; row counts rounded up to "
@@ -111,13 +121,22 @@ class EngineConfig:
         "in its memory plan", parse=parse_human_int)
 
     def __post_init__(self) -> None:
+        try:  # strings from the command line, a list from JSON
+            sizes = tuple(int(x) for x in self.cudagraph_capture_sizes)
+        except ValueError:
+            raise ValueError("cudagraph_capture_sizes must be whole numbers, got "
+                             f"{' '.join(map(str, self.cudagraph_capture_sizes))}") from None
+        if any(x < 1 for x in sizes):
+            raise ValueError(f"cudagraph_capture_sizes must be at least 1, got {sizes}")
+        object.__setattr__(self, "cudagraph_capture_sizes", sizes)
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_num_encoder_patches",
                      "encoder_stage_patches",
                      "block_size", "max_waiting", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes", "rank",
-                     "torch_threads", "seed", "mm_inflight_budget"):
+                     "torch_threads", "seed", "mm_inflight_budget",
+                     "max_cudagraph_capture_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
 

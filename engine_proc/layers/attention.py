@@ -22,6 +22,10 @@ tokens to the longest costs 2.3x the per-sequence loop there (22 vs 9.5 ms a lay
 Elsewhere they are padded to the longest query and key range and masked, one SDPA call
 per layer.
 
+On a GPU, decodes read the paged cache in place through the project's Triton kernel
+(layers/paged_decode_attention_triton.py): no gather, no mask, nothing sized by a host
+length, so a decode step can be captured as a CUDA graph (engine_proc/cuda_graphs.py).
+
 On a CPU in float32 decodes and prefill chunks skip the gather and SDPA:
 engine_proc/layers/paged_attention_cpu.py reads each sequence's blocks in place (small C
 kernels built on first use; a step's prefill chunks in one call per layer, a whole prompt
@@ -35,6 +39,8 @@ but 0 * NaN in the value product would still poison the output.
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +49,8 @@ from torch import nn
 
 from engine_proc.context import Context
 from engine_proc.layers import paged_attention_cpu
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -70,6 +78,7 @@ class _Part:
     token_slot: torch.Tensor | None = None  # [T] row of each token in [B * max_q_len] ("padded")
     num_seqs: int = 0
     max_q_len: int = 0
+    kernel: str = ""  # "triton": decodes through the paged Triton kernel (GPUs)
     spans: list[_Span] | None = None  # "seqs"
     span_rows: torch.Tensor | None = None  # int64 [3, S] first row, q_len, seq_len ("seqs")
 
@@ -128,6 +137,12 @@ def _padded_part(
 
 
 def _decode_part(ctx: Context, num_seqs: int, block_size: int) -> _Part:
+    if triton_decode(ctx.block_tables.device) is not None:
+        # the kernel reads the tables and lengths as they are (no slice by a host length):
+        # a CUDA graph replays it for any lengths
+        return _Part("decode", 0, num_seqs, block_tables=ctx.block_tables[:num_seqs],
+                     seq_lens=ctx.seq_lens[:num_seqs], block_size=block_size,
+                     num_seqs=num_seqs, kernel="triton")
     num_blocks = -(-ctx.max_seq_len // block_size)
     block_tables = ctx.block_tables[:num_seqs, :num_blocks].long().clamp(min=0)
     # no mask yet: the CPU kernel needs none; the first layer that gathers builds it
@@ -220,6 +235,22 @@ def build_attention_metadata(
     return AttentionMetadata(slots, parts)
 
 
+def triton_decode(device: torch.device):
+    """The paged Triton decode kernel's module on a CUDA device (None elsewhere, or without
+    Triton: decodes then gather and run SDPA)."""
+    return _triton_decode_module() if device.type == "cuda" else None
+
+
+@functools.cache
+def _triton_decode_module():
+    try:
+        from engine_proc.layers import paged_decode_attention_triton
+    except ImportError as e:
+        logger.warning("Triton unavailable (%s): decode attention gathers the KV cache", e)
+        return None
+    return paged_decode_attention_triton
+
+
 def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     """cache [blocks, block_size, H, D], tables [B, n] -> [B, H, n * block_size, D]."""
     b, n = block_tables.shape
@@ -278,6 +309,9 @@ class Attention(nn.Module):
             )
             return out[0].transpose(0, 1)
         if part.kind == "decode":
+            if part.kernel == "triton":
+                return triton_decode(q.device).paged_decode_attention(
+                    q, self.k_cache, self.v_cache, part.block_tables, part.seq_lens, self.scale)
             if part.mask is None:
                 if (q.device.type == "cpu" and q.dtype == torch.float32
                         and paged_attention_cpu.supports(self.head_dim, part.block_size)):

@@ -288,3 +288,38 @@ def test_cuda_graphs_match_direct_calls(triton_attention):
 @pytest.mark.gpu
 def test_the_eager_stand_in_on_a_gpu():
     replay_against_direct_calls(torch.device("cuda"), use_graphs=False)
+
+
+@pytest.mark.parametrize("preset", ["TINY", "TINY_QWEN3_5", "TINY_QWEN3_VL_MOE"])
+def test_an_engine_decoding_through_the_graph_path_gives_its_eager_tokens(monkeypatch, preset):
+    """The runner's graph path end to end, with the eager stand-in for the replay: decode-only
+    steps go through the static buffers padded to their bucket (5 sequences run in the 8
+    graph, the padding rows in the reserved KV block and state slot); prefills, mixed steps
+    and prefix-cache state copies run eagerly. Greedy tokens are the eager engine's, across
+    two waves whose second reuses the first's blocks and slots."""
+    import shared.random_checkpoints as checkpoints
+    from engine_proc.cuda_graphs import DecodeGraphs as Graphs
+    from shared.model_config import load_model_config
+    from tests.engine_proc.engine_factory import make_engine
+    from tests.engine_proc.test_engine import make_request
+
+    replays = []
+    replay = Graphs.replay
+    monkeypatch.setattr(Graphs, "replay",
+                        lambda self, inputs: replays.append(len(inputs.input_ids))
+                        or replay(self, inputs))
+    path = checkpoints.ensure_checkpoint(getattr(checkpoints, preset))
+    config = load_model_config(path)
+    prompts = [[30], [4, (2, 2), 9], [70], [12], [41]]
+
+    def run(**kw) -> list[dict]:
+        engine = make_engine(path, max_num_seqs=8, **kw)
+        return [engine.generate([make_request(config, f"r{i}", p, wave, max_tokens=12)
+                                 for i, p in enumerate(prompts)]) for wave in range(2)]
+
+    eager = run()
+    assert not replays
+    graphs = run(enforce_eager=False, cudagraph_capture_sizes=(1, 2, 4, 8),
+                 graph_stand_in=True)
+    assert graphs == eager
+    assert 5 in replays and max(replays) <= 8

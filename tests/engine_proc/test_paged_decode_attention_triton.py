@@ -210,3 +210,30 @@ def test_replays_in_a_cuda_graph_with_new_lengths():
         want = paged_decode_attention_ref(q, k_cache, v_cache, static_tables, static_lens,
                                           128**-0.5)
         torch.testing.assert_close(out, want, **bound(torch.bfloat16, 128, 1000, want))
+
+
+def test_an_engine_decoding_through_the_kernel_gives_its_eager_tokens(monkeypatch):
+    """The attention layers' decode branch wired to the kernel (in the interpreter on a CPU,
+    float32): the tables as the runner builds them (-1 past each sequence) and int32
+    lengths, several sequences of unlike lengths; greedy tokens are the eager path's."""
+    from engine_proc.layers import attention
+    from shared.model_config import load_model_config
+    from shared.random_checkpoints import TINY, ensure_checkpoint
+    from tests.engine_proc.engine_factory import make_engine
+    from tests.engine_proc.test_engine import make_request
+
+    path = ensure_checkpoint(TINY)
+    config = load_model_config(path)
+    prompts = [[30], [4, (2, 2), 9], [70]]
+
+    def run() -> dict:
+        engine = make_engine(path, max_num_seqs=4, device=DEVICE, dtype="float32")
+        return engine.generate([make_request(config, f"r{i}", p, max_tokens=6)
+                                for i, p in enumerate(prompts)])
+
+    eager = run()
+    calls = []
+    monkeypatch.setattr(attention, "triton_decode",
+                        lambda device: calls.append(1) or triton_op)
+    assert run() == eager
+    assert calls

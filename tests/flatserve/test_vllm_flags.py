@@ -172,6 +172,13 @@ def test_a_representative_vllm_command_line_parses_and_validates(tiny_model_path
     assert engine.seed == 1 and engine.num_kv_blocks == 100 and engine.max_num_seqs == 32
     assert args.disable_uvicorn_access_log
     assert parse("--max-model-len", "32K").max_model_len == 32768
+    graphs = parse(str(tiny_model_path), "--no-enforce-eager", "--cudagraph-capture-sizes", "1",
+                   "2", "4", "--max-cudagraph-capture-size", "4")
+    engine = EngineConfig(model=graphs.model_tag, **{n: getattr(graphs, n) for n in ENGINE_FLAGS})
+    assert engine.enforce_eager is False and engine.cudagraph_capture_sizes == (1, 2, 4)
+    assert EngineConfig.from_json(engine.to_json()) == engine
+    with pytest.raises(ValueError, match="cudagraph_capture_sizes must be whole numbers"):
+        EngineConfig(model="m", cudagraph_capture_sizes=("1", "x"))
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -181,7 +188,7 @@ def test_a_representative_vllm_command_line_parses_and_validates(tiny_model_path
                             "is no CPU swap space (accepted: 0)"),
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 cannot apply here"),
     (["--no-enable-chunked-prefill"], "chunked prefill is always on"),
-    (["--no-enforce-eager"], "engines always run eagerly"),
+    (["--compilation-config", "{}"], "no torch.compile"),
     (["-pp", "2"], "-pp 2 cannot apply here: no pipeline parallelism"),
     (["--revision", "main"], "no hub downloads"),
     (["--download-dir", "/x"], "no hub downloads"),
