@@ -7,7 +7,8 @@
 #
 # Steps (default: all, in this order): env tests e2e moe bench bench3b soak; and, asked for
 # by name, kernels (the Triton paged decode kernel against the eager path, one layer) and
-# bench35 (the qwen3.5-0.8b preset's rows: text c=1/32/128, 448px c=32).
+# bench35 (the qwen3.5-0.8b preset's rows: text c=1/32/128, 448px c=32) and graphs (the
+# 3b and qwen3.5 text rows at c=1 and c=32 with --no-enforce-eager).
 # Everything is logged to $OUT/log.txt (bench tables too); the soak's CSV, PNG and summary
 # land in $OUT/soak.
 # Without flatserve installed (a bare GPU machine) it runs from the checkout: wheels in
@@ -102,6 +103,17 @@ run_bench35() {  # Qwen3.5-0.8B shapes, random bf16 weights (the Qwen3.5-on-GPU 
         --concurrency 32 --num-requests 128 --no-progress -- --model "$m" --max-num-seqs 128
 }
 
+run_graphs() {  # decode steps as CUDA graphs: the tokens test ran in `tests`; these rows
+    local m c
+    for m in "$(model 3b)" "$(model qwen3.5-0.8b)"; do
+        for c in 1 32; do
+            $FS bench --workload text --prompt-len 256 --output-len 128 --ignore-eos \
+                --concurrency "$c" --num-requests $(( c < 32 ? 8 : 64 )) --no-progress \
+                -- --model "$m" --no-enforce-eager
+        done
+    done
+}
+
 run_soak() {  # 2048px, unique images, 10% disconnects
     $FS soak --requests "${SOAK_REQUESTS:-2000}" \
         --concurrency "${SOAK_CONCURRENCY:-128}" --image-size "${SOAK_SIZE:-2048}" \
@@ -116,11 +128,12 @@ run_kernels() {  # Qwen2.5-VL-3B's and Qwen3.5-0.8B's attention shapes, bf16
 }
 
 export -f model run_env run_tests run_e2e run_moe run_bench run_bench3b run_bench35 run_soak \
-    run_kernels
+    run_kernels run_graphs
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(env tests e2e moe bench bench3b soak)
 declare -A LIMIT=([env]=60 [tests]=100 [e2e]=300 [moe]=60 [bench]=80 [bench3b]=200
-                  [soak]=260 [kernels]=90 [bench35]=240)
+                  [soak]=260 [kernels]=90 [bench35]=240
+                  [graphs]=240)
 for s in "${steps[@]}"; do
     step "$s" "${LIMIT[$s]}" "run_$s"
 done

@@ -292,7 +292,17 @@ def test_the_eager_stand_in_on_a_gpu():
 
 @pytest.mark.parametrize("preset", ["TINY", "TINY_QWEN3_5", "TINY_QWEN3_VL_MOE"])
 def test_an_engine_decoding_through_the_graph_path_gives_its_eager_tokens(monkeypatch, preset):
-    """The runner's graph path end to end, with the eager stand-in for the replay: decode-only
+    _graph_path_tokens(monkeypatch, preset, "cpu", stand_in=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["TINY", "TINY_QWEN3_5"])
+def test_an_engine_replaying_cuda_graphs_gives_its_eager_tokens(monkeypatch, preset):
+    _graph_path_tokens(monkeypatch, preset, "cuda", stand_in=False)
+
+
+def _graph_path_tokens(monkeypatch, preset: str, device: str, stand_in: bool) -> None:
+    """The runner's graph path end to end (on a CPU the eager stand-in replays): decode-only
     steps go through the static buffers padded to their bucket (5 sequences run in the 8
     graph, the padding rows in the reserved KV block and state slot); prefills, mixed steps
     and prefix-cache state copies run eagerly. Greedy tokens are the eager engine's, across
@@ -313,13 +323,13 @@ def test_an_engine_decoding_through_the_graph_path_gives_its_eager_tokens(monkey
     prompts = [[30], [4, (2, 2), 9], [70], [12], [41]]
 
     def run(**kw) -> list[dict]:
-        engine = make_engine(path, max_num_seqs=8, **kw)
+        engine = make_engine(path, max_num_seqs=8, device=device, **kw)
         return [engine.generate([make_request(config, f"r{i}", p, wave, max_tokens=12)
                                  for i, p in enumerate(prompts)]) for wave in range(2)]
 
     eager = run()
     assert not replays
     graphs = run(enforce_eager=False, cudagraph_capture_sizes=(1, 2, 4, 8),
-                 graph_stand_in=True)
+                 graph_stand_in=stand_in)
     assert graphs == eager
     assert 5 in replays and max(replays) <= 8
