@@ -8,7 +8,8 @@
 # Steps (default: all, in this order): env tests e2e moe bench bench3b soak; and, asked for
 # by name, kernels (the Triton paged decode kernel against the eager path, one layer) and
 # bench35 (the qwen3.5-0.8b preset's rows: text c=1/32/128, 448px c=32) and graphs (the
-# 3b and qwen3.5 text rows at c=1 and c=32 with --no-enforce-eager).
+# 3b and qwen3.5 text rows at c=1 and c=32 with --no-enforce-eager) and soak35 (the
+# seeds' workload: qwen3.5-0.8b, 1024px, c=128, 10% disconnects).
 # Everything is logged to $OUT/log.txt (bench tables too); the soak's CSV, PNG and summary
 # land in $OUT/soak.
 # Without flatserve installed (a bare GPU machine) it runs from the checkout: wheels in
@@ -66,10 +67,13 @@ run_e2e() {  # every family served with its engine on CUDA, against transformers
         tests/e2e/test_structured_outputs.py tests/e2e/test_openai_parity.py
 }
 
-run_moe() {  # Qwen3-VL MoE served in bfloat16 (grouped GEMMs), image + text requests
-    $FS bench --workload mixed --image-size 448 --concurrency 16 --num-requests 64 \
-        --output-len 32 --ignore-eos --no-progress \
-        -- --model "$(model tiny-qwen3-vl-moe)" --dtype bfloat16
+run_moe() {  # Qwen3-VL MoE and Qwen3.5-MoE served in bfloat16 (grouped GEMMs), image + text
+    local m
+    for m in tiny-qwen3-vl-moe tiny-qwen3.5-moe; do
+        $FS bench --workload mixed --image-size 448 --concurrency 16 --num-requests 64 \
+            --output-len 32 --ignore-eos --no-progress \
+            -- --model "$(model $m)" --dtype bfloat16
+    done
 }
 
 run_bench() {  # the README's rows on the tiny model
@@ -103,6 +107,12 @@ run_bench35() {  # Qwen3.5-0.8B shapes, random bf16 weights (the Qwen3.5-on-GPU 
         --concurrency 32 --num-requests 128 --no-progress -- --model "$m" --max-num-seqs 128
 }
 
+run_soak35() {  # the seeds' workload: Qwen3.5-0.8B, 1024px, c=128, 10% disconnects
+    $FS soak --requests "${SOAK_REQUESTS:-2000}" --concurrency 128 --image-size 1024 \
+        --max-tokens 32 --disconnect-share 0.1 --out "$OUT/soak35" \
+        -- --model "$(model qwen3.5-0.8b)" --max-num-seqs 128
+}
+
 run_graphs() {  # decode steps as CUDA graphs: the tokens test ran in `tests`; these rows
     local m c
     for m in "$(model 3b)" "$(model qwen3.5-0.8b)"; do
@@ -128,12 +138,12 @@ run_kernels() {  # Qwen2.5-VL-3B's and Qwen3.5-0.8B's attention shapes, bf16
 }
 
 export -f model run_env run_tests run_e2e run_moe run_bench run_bench3b run_bench35 run_soak \
-    run_kernels run_graphs
+    run_kernels run_graphs run_soak35
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(env tests e2e moe bench bench3b soak)
 declare -A LIMIT=([env]=60 [tests]=100 [e2e]=300 [moe]=60 [bench]=80 [bench3b]=200
                   [soak]=260 [kernels]=90 [bench35]=240
-                  [graphs]=240)
+                  [graphs]=240 [soak35]=400)
 for s in "${steps[@]}"; do
     step "$s" "${LIMIT[$s]}" "run_$s"
 done
