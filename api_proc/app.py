@@ -37,7 +37,14 @@ from api_proc.errors import (
 from api_proc.logprobs import LogprobsFormatter
 from api_proc.media_loader import MediaLoader
 from api_proc.metrics import Metrics
-from api_proc.openapi import install_openapi
+from api_proc.openapi import (
+    BODY_ERRORS,
+    ENGINE_ERRORS,
+    SSE,
+    UNHEALTHY,
+    answers,
+    install_openapi,
+)
 from api_proc.prompt_builder import PromptBuilder
 from api_proc.protocol import (
     BatchChatCompletionRequest,
@@ -221,15 +228,19 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
         metrics.count_request(endpoint, 200)
         return JSONResponse(body)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(check_api_key)])
+    generation = answers(401, *BODY_ERRORS, *ENGINE_ERRORS, ok_types=(SSE,))
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_api_key)],
+              responses=generation)
     async def chat_completions(request: Request) -> Response:
         return await handle("chat", request, serving.prepare_chat)
 
-    @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
+    @app.post("/v1/completions", dependencies=[Depends(check_api_key)], responses=generation)
     async def completions(request: Request) -> Response:
         return await handle("completions", request, serving.prepare_completion)
 
-    @app.post("/v1/chat/completions/batch", dependencies=[Depends(check_api_key)])
+    @app.post("/v1/chat/completions/batch", dependencies=[Depends(check_api_key)],
+              responses=answers(401, *BODY_ERRORS, *ENGINE_ERRORS))  # never streamed
     async def chat_completions_batch(request: Request) -> Response:
         return await handle("chat_batch", request, serving.prepare_chat_batch)
 
@@ -245,7 +256,7 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
             return await serving.prepare_chat(body, arrival)
         return await serving.prepare_completion(body, arrival)
 
-    @app.post("/invocations", dependencies=[Depends(check_api_key)])
+    @app.post("/invocations", dependencies=[Depends(check_api_key)], responses=generation)
     async def invocations(request: Request) -> Response:
         return await handle("invocations", request, prepare_invocation)
 
@@ -261,11 +272,13 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
     async def detokenize_body(body: RequestBody) -> dict:
         return tokenization.detokenize(body)
 
-    @app.post("/tokenize", dependencies=[Depends(check_api_key)])
+    @app.post("/tokenize", dependencies=[Depends(check_api_key)],
+              responses=answers(401, *BODY_ERRORS, 404))
     async def tokenize(request: Request) -> Response:
         return await tokenization_route("tokenize", request, tokenization.tokenize)
 
-    @app.post("/detokenize", dependencies=[Depends(check_api_key)])
+    @app.post("/detokenize", dependencies=[Depends(check_api_key)],
+              responses=answers(401, *BODY_ERRORS, 404))
     async def detokenize(request: Request) -> Response:
         return await tokenization_route("detokenize", request, detokenize_body)
 
@@ -280,7 +293,7 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
 
     created = int(time.time())
 
-    @app.get("/v1/models", dependencies=[Depends(check_api_key)])
+    @app.get("/v1/models", dependencies=[Depends(check_api_key)], responses=answers(401))
     async def models() -> dict:
         # vLLM's root: the checkpoint the served names stand for
         cards = [ModelCard(id=name, created=created, max_model_len=builder.max_model_len,
@@ -288,7 +301,7 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
                  for name in config.served_model_name]
         return ModelList(data=cards).model_dump()
 
-    @app.get("/health")
+    @app.get("/health", responses={503: UNHEALTHY})
     async def health(request: Request) -> JSONResponse:
         engines_health = await engines.health()
         dead = [e for e in engines_health if not e["ok"]]
@@ -310,8 +323,10 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
         return JSONResponse({"status": "ok", "engines": engines_health})
 
     metrics_auth = [] if config.allow_unauthenticated_metrics else [Depends(check_api_key)]
+    metrics_errors = () if config.allow_unauthenticated_metrics else (401,)
 
-    @app.get("/metrics", dependencies=metrics_auth)
+    @app.get("/metrics", dependencies=metrics_auth, response_class=Response,
+             responses=answers(*metrics_errors, ok_types=(metrics.content_type,)))
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
 
