@@ -1,5 +1,6 @@
-"""The `flatserve` command: `serve` (engines + API server), `plan` (the memory plan `serve`
-would state, without starting it), `engine` (one engine alone),
+"""The `flatserve` command: `serve` (engines + API server), `run-batch` (a batch file through
+the same API and engines, offline), `plan` (the memory plan `serve` would state, without
+starting it), `engine` (one engine alone),
 `keys` (CURVE keys for remote engines), `soak` (RSS soak test), `bench` (serving benchmark),
 `make-model` (the tiny default checkpoint)."""
 
@@ -142,6 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flatserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     build_serve_parser(sub.add_parser("serve", help="spawn engines and serve the OpenAI-compatible API"))
+    batch = build_serve_parser(sub.add_parser(
+        "run-batch", help="run an OpenAI batch file (JSONL) through the engines and write the "
+        "results (vLLM's run-batch)"))
+    from flatserve.run_batch import add_run_batch_args
+
+    add_run_batch_args(batch)
     build_serve_parser(sub.add_parser(
         "plan", help="print the memory plan `serve` would state with the same flags, "
         "without loading the model (exit 1 when it is above the memory limit)"))
@@ -178,6 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "run-batch":
+        from flatserve.run_batch import run_batch
+
+        logging.basicConfig(level=args.log_level.upper(),
+                            format="%(asctime)s run-batch %(levelname)s %(name)s: %(message)s")
+        return run_batch(args)
     if args.command == "plan":
         from flatserve.plan import run_plan
 

@@ -1,10 +1,12 @@
 """`flatserve serve`: spawn the engine processes, wait until each is ready, serve HTTP in this
-process, watch them, and stop them all on SIGINT/SIGTERM or when serving ends."""
+process, watch them, and stop them all on SIGINT/SIGTERM or when serving ends. `launch_api`
+is the part `flatserve run-batch` shares: everything up to serving."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -12,7 +14,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 
@@ -58,6 +62,9 @@ ENGINE_FLAGS = (
     "mamba_cache_mode",
     "state_snapshot_bytes",
     "pack_weights",
+    "enforce_eager",
+    "cudagraph_capture_sizes",
+    "max_cudagraph_capture_size",
 )
 DEFAULT_MAX_MODEL_LEN = 8192
 DEFAULT_MAX_ENGINE_RESTARTS = 5
@@ -183,12 +190,13 @@ def _set_stop_handlers(handlers) -> dict | None:
     return {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
 
 
-def _resolve_model(args: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
+def _resolve_model(args: argparse.Namespace,
+                   command: str = "serve") -> tuple[str, tuple[str, ...]]:
     """(checkpoint folder, served model names): the positional model (vLLM's form) or
     --model, else the tiny default."""
     tag = getattr(args, "model_tag", None)
     if tag and args.model and tag != args.model:
-        raise SystemExit(f"flatserve serve: the model is given twice: {tag} and --model "
+        raise SystemExit(f"flatserve {command}: the model is given twice: {tag} and --model "
                          f"{args.model}")
     model = tag or args.model
     names = tuple(args.served_model_name or ())
@@ -207,13 +215,13 @@ def _on_gpu(device: str | None) -> bool:
     return torch.cuda.is_available()
 
 
-def _check_gpu_count(device: str | None, needed: int) -> None:
+def _check_gpu_count(device: str | None, needed: int, command: str = "serve") -> None:
     import torch
 
     first = int(device.partition(":")[2] or 0) if device else 0
     have = torch.cuda.device_count()
     if first + needed > have:
-        raise SystemExit(f"flatserve serve: engines x --tensor-parallel-size needs {needed} "
+        raise SystemExit(f"flatserve {command}: engines x --tensor-parallel-size needs {needed} "
                          f"GPUs from cuda:{first}; {have} are visible")
 
 
@@ -240,62 +248,83 @@ def memory_plans(config: ApiConfig, configs: list[EngineConfig],
     return [api, *(h.memory_plan for h in handles if h.memory_plan is not None)]
 
 
-class _Stop(Exception):
-    pass
+class Stopped(Exception):
+    """A SIGINT or SIGTERM (raise_stopped) while a command starts or stops."""
 
 
-def _raise_stop(signum, frame) -> None:
-    raise _Stop(signal.Signals(signum).name)
+def raise_stopped(signum, frame) -> None:
+    raise Stopped(signal.Signals(signum).name)
 
 
-def run_server(args: argparse.Namespace) -> int:
-    import uvicorn
+class StartFailed(Exception):
+    """Starting failed and the reason is logged: the command exits with `code`."""
 
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+@dataclass
+class Launched:
+    """The API app over ready engines. `supervisor` restarts engines that die; the caller
+    starts it once it runs (its `is_stopping` and `give_up` are the caller's)."""
+
+    config: ApiConfig
+    app: Any  # FastAPI
+    handles: list[SpawnedEngine]
+    supervisor: EngineSupervisor | None
+
+
+@contextlib.contextmanager
+def launch_api(args: argparse.Namespace, command: str, *, is_stopping: Callable[[], bool],
+               give_up: Callable[[str], None], **overrides: Any) -> Iterator[Launched]:
+    """What `serve` and `run-batch` share: the flags checked (SystemExit with one line, or
+    StartFailed, before any process starts), the engines spawned and ready, the app built on
+    them and its memory plan held against the limit. On exit the supervisor and the engines
+    stop and the socket folder goes, however the body ended. `overrides`: ApiConfig fields
+    the command sets itself."""
     from api_proc.app import build_app
-    from api_proc.drain import DrainingServer
-    from api_proc.http_protocol import http_protocol
 
-    set_process_title("flatserve: api")
-    apply_malloc_settings(API_MALLOC_ENV)
-    model, served_names = _resolve_model(args)
+    model, served_names = _resolve_model(args, command)
     # Unset, the context is the model's own capped at DEFAULT_MAX_MODEL_LEN: requests without
     # max_tokens get the rest of the context, and image requests reserve KV for all of it.
     try:
         model_config = load_model_config(model)
     except (OSError, ValueError, KeyError) as e:  # before any process starts: one line
-        raise SystemExit(f"flatserve serve: {model}: {e}") from None
+        raise SystemExit(f"flatserve {command}: {model}: {e}") from None
     own = model_config.text.max_position_embeddings
     tp = args.tensor_parallel_size
     problem = ("it must be at least 1" if tp < 1
                else tensor_parallel_problem(model_config, tp) if tp > 1 else None)
     if problem:
-        raise SystemExit(f"flatserve serve: --tensor-parallel-size {tp}: {problem}")
+        raise SystemExit(f"flatserve {command}: --tensor-parallel-size {tp}: {problem}")
     max_model_len = args.max_model_len or min(own, DEFAULT_MAX_MODEL_LEN)
     if args.gpu_memory_utilization is not None and not _on_gpu(args.device):
-        raise SystemExit("flatserve serve: --gpu-memory-utilization applies to GPUs and the "
-                         "engines run on the CPU: set --kv-cache-memory-bytes instead")
+        raise SystemExit(f"flatserve {command}: --gpu-memory-utilization applies to GPUs and "
+                         "the engines run on the CPU: set --kv-cache-memory-bytes instead")
     # --engine-addresses: engines started elsewhere (`flatserve engine`), none spawned here.
     dp = args.data_parallel_size
     if args.engine_addresses and (tp, dp, args.engines) != (1, 1, 1):
-        raise SystemExit("flatserve serve: with --engine-addresses no engine is spawned here: "
-                         "give --tensor-parallel-size to each `flatserve engine`, and one "
+        raise SystemExit(f"flatserve {command}: with --engine-addresses no engine is spawned "
+                         "here: give --tensor-parallel-size to each `flatserve engine`, and one "
                          "address per engine instead of --engines or --data-parallel-size")
     if dp < 1 or args.engines < 1:
-        raise SystemExit("flatserve serve: --engines and --data-parallel-size must be at least 1")
+        raise SystemExit(f"flatserve {command}: --engines and --data-parallel-size must be at "
+                         "least 1")
     if dp > 1 and args.engines > 1:
-        raise SystemExit("flatserve serve: give --engines (all on --device) or "
+        raise SystemExit(f"flatserve {command}: give --engines (all on --device) or "
                          "--data-parallel-size (a device each on GPUs), not both")
     num_spawned = 0 if args.engine_addresses else max(dp, args.engines)
     spread = dp > 1
     if (tp > 1 or spread) and num_spawned and _on_gpu(args.device):
-        _check_gpu_count(args.device, num_spawned * tp)
+        _check_gpu_count(args.device, num_spawned * tp, command)
     if args.engine_addresses and args.max_engine_restarts is not None:
-        raise SystemExit("flatserve serve: --max-engine-restarts applies to engines spawned "
-                         "here, and with --engine-addresses none is")
+        raise SystemExit(f"flatserve {command}: --max-engine-restarts applies to engines "
+                         "spawned here, and with --engine-addresses none is")
     max_restarts = DEFAULT_MAX_ENGINE_RESTARTS if args.max_engine_restarts is None \
         else args.max_engine_restarts
     if max_restarts < 0:
-        raise SystemExit("flatserve serve: --max-engine-restarts must not be negative")
+        raise SystemExit(f"flatserve {command}: --max-engine-restarts must not be negative")
     ipc_dir = IpcDir(prefix="flatserve-")
     engine_kwargs = {name: getattr(args, name) for name in ENGINE_FLAGS}
     num_processes = num_spawned * tp  # each engine is tp processes, started by its rank 0
@@ -310,65 +339,37 @@ def run_server(args: argparse.Namespace) -> int:
         for rank in range(num_spawned)
     ]
     addresses = tuple(args.engine_addresses) or tuple(c.address for c in configs)
-    handles = []
+    handles: list[SpawnedEngine] = []
     supervisor = None
-    # uvicorn re-raises the SIGINT/SIGTERM it caught once it has shut down; with these
-    # handlers that lands in the `except` below, so engines and socket files are cleaned up.
-    signal.signal(signal.SIGTERM, _raise_stop)
-    signal.signal(signal.SIGINT, _raise_stop)
     try:
         try:  # before the engines spend their start-up on a server that cannot run
             config = ApiConfig.from_cli_args(
                 args, model=model, served_model_name=served_names, max_model_len=max_model_len,
-                engine_addresses=addresses,
-                # vLLM's: the key from the environment when --api-key is not given
-                api_key=args.api_key if args.api_key is not None
-                else os.environ.get("VLLM_API_KEY") or None,
-            )
+                engine_addresses=addresses, **overrides)
         except ValueError as exc:
-            logger.error("flatserve serve: %s", exc)
-            return 2
+            logger.error("flatserve %s: %s", command, exc)
+            raise StartFailed(2) from None
         try:
             handles = start_engines(configs, timeout_s=args.engine_start_timeout)
         except EngineStartError as exc:
             logger.error("%s", exc)
-            return 1
+            raise StartFailed(1) from None
         app = build_app(config, engine_processes=[h.process for h in handles])
         plans = memory_plans(config, configs, handles)
         logger.info("memory plan (each process's RSS ceiling):\n%s", format_table(plans))
         limit = memory_limit(args.host_memory_limit)
         problem = limit and over_limit_message(plans, *limit)
         if problem:
-            logger.error("flatserve serve: %s", problem)
-            return 1
+            logger.error("flatserve %s: %s", command, problem)
+            raise StartFailed(1)
         app.state.metrics.api_plan = plans[0]
         if handles and max_restarts:
             supervisor = EngineSupervisor(
                 handles, app.state.engine_client.engines,
                 lambda dead: restart_engine(dead, args.engine_start_timeout), max_restarts,
-                on_restart=app.state.metrics.engine_restarts.inc,
-                is_stopping=lambda: server.should_exit,
-                give_up=lambda reason: setattr(server, "should_exit", True))
-        where = (f"unix socket {config.uds}" if config.uds
-                 else f"{config.scheme}://{config.host}:{config.port}")
-        logger.info("serving %s on %s (glibc: %s)", ", ".join(served_names), where,
-                    ", ".join(f"{k}={v}" for k, v in API_MALLOC_ENV.items()))
-        server_config = uvicorn.Config(
-            app, host=config.host, port=config.port, uds=config.uds, loop="uvloop",
-            http=http_protocol(config),
-            ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,
-            ssl_ca_certs=config.ssl_ca_certs, ssl_cert_reqs=config.ssl_cert_reqs,
-            log_level=args.uvicorn_log_level or args.log_level,
-            access_log=not args.disable_uvicorn_access_log)
-        server = DrainingServer(server_config, app.state.engine_client.abort_all,
-                                config.shutdown_timeout_s)
-        if supervisor is not None:
-            supervisor.start()
-        server.run()
-        return 1 if supervisor is not None and supervisor.gave_up else 0
-    except _Stop as stop:
-        logger.info("stopped by %s", stop)
-        return 0
+                on_restart=app.state.metrics.engine_restarts.inc, is_stopping=is_stopping,
+                give_up=give_up)
+        yield Launched(config, app, handles, supervisor)
     finally:
         try:
             if supervisor is not None:
@@ -377,3 +378,50 @@ def run_server(args: argparse.Namespace) -> int:
         finally:
             ipc_dir.close()
 
+
+def run_server(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from api_proc.drain import DrainingServer
+    from api_proc.http_protocol import http_protocol
+
+    set_process_title("flatserve: api")
+    apply_malloc_settings(API_MALLOC_ENV)
+    server = None
+
+    def give_up(reason: str) -> None:
+        server.should_exit = True  # the supervisor starts after the server exists
+
+    # uvicorn re-raises the SIGINT/SIGTERM it caught once it has shut down; with these
+    # handlers that lands in the `except` below, after launch_api has stopped the engines
+    # and removed the socket files.
+    signal.signal(signal.SIGTERM, raise_stopped)
+    signal.signal(signal.SIGINT, raise_stopped)
+    try:
+        with launch_api(args, "serve", is_stopping=lambda: server.should_exit, give_up=give_up,
+                        # vLLM's: the key from the environment when --api-key is not given
+                        api_key=args.api_key if args.api_key is not None
+                        else os.environ.get("VLLM_API_KEY") or None) as launched:
+            config, app, supervisor = launched.config, launched.app, launched.supervisor
+            where = (f"unix socket {config.uds}" if config.uds
+                     else f"{config.scheme}://{config.host}:{config.port}")
+            logger.info("serving %s on %s (glibc: %s)", ", ".join(config.served_model_name),
+                        where, ", ".join(f"{k}={v}" for k, v in API_MALLOC_ENV.items()))
+            server_config = uvicorn.Config(
+                app, host=config.host, port=config.port, uds=config.uds, loop="uvloop",
+                http=http_protocol(config),
+                ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,
+                ssl_ca_certs=config.ssl_ca_certs, ssl_cert_reqs=config.ssl_cert_reqs,
+                log_level=args.uvicorn_log_level or args.log_level,
+                access_log=not args.disable_uvicorn_access_log)
+            server = DrainingServer(server_config, app.state.engine_client.abort_all,
+                                    config.shutdown_timeout_s)
+            if supervisor is not None:
+                supervisor.start()
+            server.run()
+            return 1 if supervisor is not None and supervisor.gave_up else 0
+    except StartFailed as failed:
+        return failed.code
+    except Stopped as stop:
+        logger.info("stopped by %s", stop)
+        return 0
