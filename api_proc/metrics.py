@@ -4,13 +4,16 @@ What vLLM measures carries vLLM's names, types, buckets and `model_name` label (
 so dashboards and alerts written for vLLM work unchanged; what only flatserve has is named
 `flatserve_...`: HTTP outcomes, admission of image bytes, the caches, the RSS of every
 process and its memory plan (shared/memory_plan.py). Figures the engines keep (running and
-waiting requests, KV usage, preemptions, cache counters, their RSS) are read from the stats
-each engine sends with every step, summed over engines at each scrape.
+waiting requests, KV usage, preemptions, cache counters, tokens per step, their RSS) are read
+from the stats each engine sends with every step, summed over engines at each scrape; the
+cache settings are labelled per engine.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
+from itertools import accumulate
 
 import psutil
 from prometheus_client import (
@@ -21,11 +24,12 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from shared.memory_plan import MemoryPlan
-from shared.messages import EngineStats
+from shared.messages import ITERATION_TOKENS_BUCKETS, EngineStats
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -166,7 +170,7 @@ class EngineStatsCollector(Collector):
         self.model_name = model_name
         self.process = psutil.Process()
 
-    def collect(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
+    def collect(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]:
         all_stats = list(self.engine_stats())
         stats = [s for s in all_stats if s is not None]
 
@@ -184,6 +188,7 @@ class EngineStatsCollector(Collector):
                    "Number of requests in model execution batches.", total("num_running"))
         yield vllm(GaugeMetricFamily, "vllm:num_requests_waiting",
                    "Number of requests waiting to be processed.", total("num_waiting"))
+        yield self.waiting_by_reason(total("num_waiting"), total("num_waiting_deferred"))
         yield vllm(GaugeMetricFamily, "vllm:kv_cache_usage_perc",
                    "KV-cache usage. 1 means 100 percent usage.", used / blocks if blocks else 0.0)
         yield vllm(CounterMetricFamily, "vllm:num_preemptions",
@@ -200,6 +205,8 @@ class EngineStatsCollector(Collector):
         yield vllm(CounterMetricFamily, "vllm:mm_cache_hits",
                    "Multi-modal cache hits, in terms of number of cached items.",
                    total("encoder_cache_hits"))
+        yield self.iteration_tokens(stats)
+        yield cache_config_info(all_stats)
         yield GaugeMetricFamily("flatserve_engine_mm_bytes_held",
                                 "Pixels, vision states and embeddings the engines' requests hold",
                                 value=total("mm_bytes_held"))
@@ -234,6 +241,48 @@ class EngineStatsCollector(Collector):
             if s is not None and s.rss_bytes:
                 rss.add_metric([f"engine {i}"], s.rss_bytes)
         yield rss
+
+    def waiting_by_reason(self, waiting: int, deferred: int) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(
+            "vllm:num_requests_waiting_by_reason",
+            "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for "
+            "scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, "
+            "KV transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.",
+            labels=["model_name", "reason"])
+        family.add_metric([self.model_name, "capacity"], waiting - deferred)
+        family.add_metric([self.model_name, "deferred"], deferred)
+        return family
+
+    def iteration_tokens(self, stats: list[EngineStats]) -> HistogramMetricFamily:
+        counts = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
+        for s in stats:
+            for i, count in enumerate(s.iteration_tokens_counts):
+                counts[i] += count
+        bounds = [floatToGoString(b) for b in (*ITERATION_TOKENS_BUCKETS, math.inf)]
+        family = HistogramMetricFamily("vllm:iteration_tokens_total",
+                                       "Histogram of number of tokens per engine_step.",
+                                       labels=["model_name"])
+        family.add_metric([self.model_name], list(zip(bounds, accumulate(counts), strict=True)),
+                          sum(s.iteration_tokens_sum for s in stats))
+        return family
+
+
+def cache_config_info(all_stats: list[EngineStats | None]) -> GaugeMetricFamily:
+    """vLLM's info-style gauge, 1 for each engine, its cache settings in the labels: those of
+    vLLM's CacheConfig that flatserve has, written as vLLM writes them (str() of the value,
+    "None" for a setting not given). The KV cache is always in the model's dtype: vLLM's
+    cache_dtype "auto"."""
+    family = GaugeMetricFamily(
+        "vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+        labels=["block_size", "cache_dtype", "enable_prefix_caching", "gpu_memory_utilization",
+                "num_gpu_blocks", "kv_cache_size_tokens", "engine"])
+    for i, s in enumerate(all_stats):
+        if s is None:
+            continue
+        family.add_metric([str(s.block_size), "auto", str(s.enable_prefix_caching),
+                           str(s.gpu_memory_utilization or None), str(s.num_kv_blocks_total),
+                           str(s.num_kv_blocks_total * s.block_size), str(i)], 1)
+    return family
 
 
 class MemoryPlanCollector(Collector):

@@ -19,7 +19,9 @@ from concurrent.futures import FIRST_COMPLETED, wait
 
 import numpy as np
 
+from engine_proc.cuda_graphs import capture_sizes
 from engine_proc.encoder_cache import EncoderCache, tensor_bytes
+from engine_proc.iteration_tokens import IterationTokens
 from engine_proc.memory_plan import engine_plan, measured_sizes
 from engine_proc.model_runner import ModelRunner
 from engine_proc.models.mrope import VisionSpan, vision_positions
@@ -82,6 +84,10 @@ class LLMEngine:
         mamba_cache_mode: str = EngineConfig.mamba_cache_mode,
         state_snapshot_bytes: int = EngineConfig.state_snapshot_bytes,
         pack_weights: bool = EngineConfig.pack_weights,
+        enforce_eager: bool = EngineConfig.enforce_eager,
+        cudagraph_capture_sizes: tuple[int, ...] = EngineConfig.cudagraph_capture_sizes,
+        max_cudagraph_capture_size: int = EngineConfig.max_cudagraph_capture_size,
+        graph_stand_in: bool = False,
     ):
         self.config: ModelConfig = load_model_config(model_path)
         self.max_model_len = min(
@@ -106,6 +112,9 @@ class LLMEngine:
             state_snapshot_bytes=(state_snapshot_bytes if enable_prefix_caching
                                   and mamba_cache_mode == "align" else 0),
             pack_weights=pack_weights,
+            cuda_graph_sizes=() if enforce_eager else capture_sizes(
+                max_num_seqs, cudagraph_capture_sizes, max_cudagraph_capture_size or None),
+            graph_stand_in=graph_stand_in,
         )
         self._log_cache_sizes()
         if (self.config.text.is_hybrid and enable_prefix_caching
@@ -141,6 +150,8 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}  # unfinished, by request id
         self.mm_seqs: list[Sequence] = []  # unfinished and still holding image data
         self.pending_outputs: list[RequestOutput] = []  # aborts, reported by the next step
+        self.iteration_tokens = IterationTokens()
+        self.gpu_memory_utilization = gpu_memory_utilization
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -163,6 +174,9 @@ class LLMEngine:
             decode_share=config.decode_share,
             tensor_parallel_size=config.tensor_parallel_size,
             pack_weights=config.pack_weights,
+            enforce_eager=config.enforce_eager,
+            cudagraph_capture_sizes=config.cudagraph_capture_sizes,
+            max_cudagraph_capture_size=config.max_cudagraph_capture_size,
             tp_label=f"engine {config.rank}",
             mamba_ssm_cache_dtype=config.mamba_ssm_cache_dtype,
             mamba_cache_mode=config.mamba_cache_mode,
@@ -258,7 +272,9 @@ class LLMEngine:
             outputs.extend(self._fail(batch, error))
             return outputs
         self.scheduler.decode_share.account(batch, time.perf_counter() - started)
-        for i, seq in enumerate(self.scheduler.postprocess(batch, token_ids)):
+        seqs = self.scheduler.postprocess(batch, token_ids)
+        self.iteration_tokens.count_step(seqs)
+        for i, seq in enumerate(seqs):
             output = self._output(seq, [seq.last_token_id])
             if seq.num_completion_tokens == 1 and seq.scheduled_at is not None:
                 output.queued_s = seq.scheduled_at - seq.arrived_at
@@ -294,6 +310,7 @@ class LLMEngine:
         cache = self.encoder_cache
         return EngineStats(
             num_waiting=self.scheduler.num_waiting,
+            num_waiting_deferred=sum(not seq.is_finished for seq in self.compiling),
             num_running=self.scheduler.num_running,
             num_kv_blocks_total=block_manager.num_blocks,
             num_kv_blocks_free=block_manager.num_free_blocks,
@@ -311,6 +328,11 @@ class LLMEngine:
             state_cache_bytes=self.model_runner.state_cache_bytes,
             num_state_slots_free=(0 if self.scheduler.state_slots is None
                                   else self.scheduler.state_slots.num_free),
+            iteration_tokens_counts=list(self.iteration_tokens.counts),
+            iteration_tokens_sum=self.iteration_tokens.sum,
+            block_size=block_manager.block_size,
+            enable_prefix_caching=block_manager.enable_prefix_caching,
+            gpu_memory_utilization=self.gpu_memory_utilization or 0.0,
         )
 
     def take_encoder_key_changes(self) -> tuple[list[bytes], list[bytes]]:

@@ -425,6 +425,7 @@ class Scheduler:
             seq.state_slot = self.state_slots.take()
         if seq.scheduled_at is None:
             seq.scheduled_at = time.monotonic()
+            seq.num_cached_tokens = num_cached_tokens
         if num_cached_tokens and seq.has_images:
             seq.release_consumed_images()  # R3: wholly cached, they are never encoded
         seq.status = SequenceStatus.RUNNING

@@ -113,6 +113,10 @@ class RequestOutput:
     prompt_logprobs: list[PromptTokenLogprobs] | None = None
 
 
+# vLLM's buckets of vllm:iteration_tokens_total (vllm/v1/metrics/buckets.py)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
 @dataclass
 class EngineStats:
     num_waiting: int
@@ -135,6 +139,18 @@ class EngineStats:
     kv_cache_bytes: int = 0  # allocated at start (this rank's share under TP)
     state_cache_bytes: int = 0  # hybrid models' recurrent state slots, allocated at start
     num_state_slots_free: int = 0
+    # of num_waiting, those held back until their grammar compiles (vLLM's reason "deferred";
+    # the others wait for room, its "capacity")
+    num_waiting_deferred: int = 0
+    # vllm:iteration_tokens_total, cumulative: steps that gave tokens, counted in the first
+    # of ITERATION_TOKENS_BUCKETS they fit (one more count for those past the last), and the
+    # sum of their token figures (engine_proc/iteration_tokens.py)
+    iteration_tokens_counts: list[int] = field(default_factory=list)
+    iteration_tokens_sum: int = 0
+    # the KV cache's settings, for vllm:cache_config_info (fixed at start)
+    block_size: int = 0
+    enable_prefix_caching: bool = False  # in effect (hybrid models may turn it off)
+    gpu_memory_utilization: float = 0.0  # as given; 0: not given
 
 
 @dataclass

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from api_proc.metrics import Metrics
-from shared.messages import EngineStats
+from shared.messages import ITERATION_TOKENS_BUCKETS, EngineStats
 
 
 def test_prefix_cache_counters_sum_the_engines_latest_stats():
@@ -32,3 +34,52 @@ def test_engine_figures_kv_usage_preemptions_and_rss_per_process():
     assert 'vllm:num_preemptions_total{model_name="m"} 5.0' in text
     assert 'flatserve_process_rss_bytes{process="engine 1"} 7.340032e+06' in text
     assert 'flatserve_process_rss_bytes{process="api"}' in text
+
+
+def families(metrics: Metrics) -> dict:
+    return {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+
+
+def test_tokens_per_step_waiting_reasons_and_cache_settings_as_vllm_exports_them():
+    zeros = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
+    engines = [
+        EngineStats(3, 1, 100, 60, 0, num_waiting_deferred=1,
+                    iteration_tokens_counts=[2, 0, 1] + zeros[3:], iteration_tokens_sum=14,
+                    block_size=16, enable_prefix_caching=True, gpu_memory_utilization=0.9),
+        None,  # an engine that has not answered yet
+        EngineStats(1, 0, 50, 50, 0, iteration_tokens_counts=zeros[:-1] + [1],
+                    iteration_tokens_sum=20000, block_size=32),
+    ]
+    metrics = Metrics(num_waiting=lambda: 0, num_running=lambda: 0, mm_inflight_bytes=lambda: 0,
+                      mm_inflight_budget=1, engine_stats=lambda: engines, model_name="m")
+    found = families(metrics)
+
+    waiting = found["vllm:num_requests_waiting_by_reason"]
+    assert waiting.type == "gauge"
+    assert {s.labels["reason"]: s.value for s in waiting.samples} == {"capacity": 3,
+                                                                      "deferred": 1}
+    assert {s.labels["model_name"] for s in waiting.samples} == {"m"}
+
+    steps = found["vllm:iteration_tokens_total"]
+    assert steps.type == "histogram"
+    buckets = {s.labels["le"]: s.value for s in steps.samples if s.name.endswith("_bucket")}
+    # vLLM's buckets, cumulative over both engines
+    assert list(buckets) == ["1.0", "8.0", "16.0", "32.0", "64.0", "128.0", "256.0", "512.0",
+                             "1024.0", "2048.0", "4096.0", "8192.0", "16384.0", "+Inf"]
+    assert (buckets["1.0"], buckets["8.0"], buckets["16.0"], buckets["16384.0"],
+            buckets["+Inf"]) == (2, 2, 3, 3, 4)
+    totals = {s.name: s.value for s in steps.samples if not s.name.endswith("_bucket")}
+    assert totals == {"vllm:iteration_tokens_total_count": 4,
+                      "vllm:iteration_tokens_total_sum": 20014}
+
+    info = found["vllm:cache_config_info"]
+    assert info.type == "gauge"
+    assert [s.labels for s in info.samples] == [
+        {"engine": "0", "block_size": "16", "cache_dtype": "auto",
+         "enable_prefix_caching": "True", "gpu_memory_utilization": "0.9",
+         "num_gpu_blocks": "100", "kv_cache_size_tokens": "1600"},
+        {"engine": "2", "block_size": "32", "cache_dtype": "auto",
+         "enable_prefix_caching": "False", "gpu_memory_utilization": "None",
+         "num_gpu_blocks": "50", "kv_cache_size_tokens": "1600"},
+    ]
+    assert [s.value for s in info.samples] == [1, 1]

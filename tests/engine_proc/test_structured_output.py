@@ -159,7 +159,10 @@ def test_a_slow_grammar_holds_no_other_request_back(engine):
         plain += [o for o in engine.step() if o.request_id == "plain"]
     assert slow.grammar_future is not None and not slow.grammar_future.done()
     assert sum(len(o.new_token_ids) for o in plain) == 8
+    stats = engine.stats()  # waiting, not for room: vLLM's reason "deferred"
+    assert (stats.num_waiting, stats.num_waiting_deferred) == (1, 1)
     assert finish(engine)["slow"][-1].finish_reason in ("stop", "length")
+    assert engine.stats().num_waiting_deferred == 0
 
 
 def test_a_grammar_past_its_budget_fails_its_request_and_its_compile_stops(engine):
