@@ -4,7 +4,12 @@ engine for one token of every live beam with its 2 x width most likely tokens, k
 aside, finished), and after max_tokens steps returns the `n` best of the finished and live
 beams by vLLM's score: cumulative log-probability / (prompt + beam length) ** length_penalty.
 Prefix caching keeps a step's prefill to the new tokens. The state is the beams' token ids:
-at most width x max_tokens ids (R2)."""
+at most width x max_tokens ids (R2).
+
+A beam never takes an image or video placeholder token: each step sends the beam's tokens
+back as a prompt, and the engine takes a placeholder in a prompt only with its media (the
+API refuses one typed without them, prompt_builder.py). vLLM would extend such a beam; a
+model writes one only after vision tokens typed as text."""
 
 from __future__ import annotations
 
@@ -42,13 +47,15 @@ class BeamSearch:
     ignore_eos: bool
     eos_token_ids: frozenset
     num_logits: int  # the vocabulary: never more alternatives than that
+    placeholder_ids: frozenset = frozenset()  # tokens no beam takes
 
     async def run(self, submit: Submit, request_id: str, prompt_ids: list[int]) -> list[Beam]:
         """The `n` best beams, best first."""
         live, done = [Beam()], []
         step_params = SamplingParams(max_tokens=1, temperature=self.temperature,
                                      ignore_eos=True,
-                                     logprobs=min(2 * self.width, self.num_logits))
+                                     logprobs=min(2 * self.width + len(self.placeholder_ids),
+                                                  self.num_logits))
         for step in range(self.max_tokens):
             streams = [submit(f"{request_id}-s{step}-b{i}", prompt_ids + beam.tokens,
                               step_params) for i, beam in enumerate(live)]
@@ -61,7 +68,8 @@ class BeamSearch:
             for beam, out in zip(live, outputs, strict=True):
                 [(_, top_ids, top_values)] = out.logprobs
                 candidates += [Beam(beam.tokens + [t], beam.logprob + v)
-                               for t, v in zip(top_ids, top_values, strict=True)]
+                               for t, v in zip(top_ids, top_values, strict=True)
+                               if t not in self.placeholder_ids]
             candidates.sort(key=lambda b: b.logprob, reverse=True)
             live = []
             for beam in candidates[:self.width]:

@@ -289,17 +289,25 @@ class PromptBuilder:
             if outside is not None:  # vLLM's words, which clients match
                 raise BadRequest(f"Token id {outside} is out of vocabulary (vocabulary size "
                                  f"{self.num_logits})", param="prompt")
-        return self.expand_image_tokens(ids, [])
+        return self.expand_image_tokens(ids, [], param="prompt")
+
+    @property
+    def placeholder_ids(self) -> frozenset[int]:
+        """The tokens that stand for an image's or a video's embeddings: the engine takes
+        them in a prompt only with their media."""
+        return frozenset((self.image_token_id, self.video_token_id))
 
     def expand_image_tokens(self, ids: list[int], image_grids: list[tuple[int, int, int]],
-                            allow_video: bool = False) -> list[int]:
+                            allow_video: bool = False, param: str = "messages") -> list[int]:
+        """`ids` with each image's placeholder expanded; a placeholder without its media
+        (typed as text, or as an id) is refused here, naming `param`, on every path."""
         if not allow_video and self.video_token_id in ids:
-            raise BadRequest("the prompt text contains the video placeholder token but the "
-                             "request has no videos", param="messages")
+            raise BadRequest(f"the prompt ({param}) contains the video placeholder token but the "
+                             "request has no videos", param=param)
         if not image_grids:  # text-only fast path
             if self.image_token_id in ids:
-                raise BadRequest("the prompt text contains the image placeholder token "
-                                      "but the request has no images", param="messages")
+                raise BadRequest(f"the prompt ({param}) contains the image placeholder token but "
+                                 "the request has no images", param=param)
             return ids
         positions = [i for i, t in enumerate(ids) if t == self.image_token_id]
         if len(positions) != len(image_grids):

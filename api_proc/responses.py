@@ -125,7 +125,7 @@ class StreamedResponse(Response):
                 if p.kind == "chat":
                     out(w._chunk(p, c, None, None))
                 if c.echo:
-                    out(w._chunk(p, c, c.echo, None))
+                    out(w._chunk(p, c, c.echo, None, echo=True))
             outputs.start()
             watcher = asyncio.ensure_future(wait_for_disconnect(receive))
             await asyncio.wait((outputs.done, watcher), return_when=asyncio.FIRST_COMPLETED)
@@ -137,7 +137,7 @@ class StreamedResponse(Response):
                 cls = ChatCompletionChunk if p.kind == "chat" else CompletionChunk
                 body = cls(id=p.id, created=p.created, model=p.model, choices=[],
                            usage=p.usage)
-                out(_sse(body.model_dump_json()))
+                out(_sse(body.model_dump_json(exclude_none=True)))  # vLLM's: no null keys
             out(DONE)
             await out.flush()
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -192,7 +192,7 @@ class ResponseWriter:
                         for c in p.choices]  # before _finish_reason: calls read
             body = ChatCompletionResponse(
                 id=p.id, created=p.created, model=p.model, usage=p.usage,
-                prompt_token_ids=p.choices[0].prompt_token_ids,
+                prompt_token_ids=_prompt_ids(p, p.choices[0]),
                 prompt_logprobs=self._prompt_logprobs(p, p.choices[0]),
                 choices=[ChatCompletionChoice(
                     index=c.index, finish_reason=_finish_reason(c), message=message,
@@ -206,14 +206,9 @@ class ResponseWriter:
                 choices=[CompletionChoice(
                     index=c.index, text="".join(c.texts), finish_reason=c.finish_reason,
                     logprobs=self._completion_logprobs(p, c),
-                    prompt_token_ids=c.prompt_token_ids, token_ids=c.token_ids,
+                    prompt_token_ids=_prompt_ids(p, c), token_ids=c.token_ids,
                     prompt_logprobs=self._prompt_logprobs(p, c))
                     for c in p.choices]).model_dump()
-        if not p.return_token_ids:  # the keys exist only when asked for, as in vLLM
-            body.pop("prompt_token_ids", None)
-            for choice in body["choices"]:
-                choice.pop("prompt_token_ids", None)
-                choice.pop("token_ids", None)
         return body
 
     def _prompt_logprobs(self, p: Prepared, c: Choice) -> list | None:
@@ -346,7 +341,7 @@ class ResponseWriter:
 
     def _chunk(self, p: Prepared, c: Choice, text: str | None, finish: str | None,
                lp: object = None, tool_calls: list[dict] | None = None,
-               reasoning: str | None = None) -> bytes:
+               reasoning: str | None = None, echo: bool = False) -> bytes:
         """One SSE chunk; for chat, text=None is the opening chunk that carries the role.
         Built as a dict with exactly OpenAI's fields: the protocol models are the schema
         (tests validate every chunk against ChatCompletionChunk), but dumping one per token
@@ -369,16 +364,41 @@ class ResponseWriter:
             obj = "text_completion"
         chunk = {"id": p.id, "object": obj, "created": p.created, "model": p.model,
                  "choices": [choice]}
-        if p.return_token_ids:  # vLLM's: the prompt's ids first, then each chunk's own
-            choice["token_ids"], c.step_ids = c.step_ids, []
-            if c.prompt_token_ids is not None:
-                where = chunk if p.kind == "chat" else choice
-                where["prompt_token_ids"], c.prompt_token_ids = c.prompt_token_ids, None
+        # vLLM's keys, null unless return_token_ids: the prompt's ids in a choice's first
+        # chunk (chat: the role chunk, at the top), each chunk's own ids after it
+        if p.kind == "completion":
+            choice["prompt_token_ids"] = _take_prompt_ids(p, c)
+            choice["token_ids"] = _take_step_ids(p, c)
+        elif "role" in delta:
+            chunk["prompt_token_ids"] = _take_prompt_ids(p, c)
+        elif not echo:
+            choice["token_ids"] = _take_step_ids(p, c)
         if p.continuous_usage:
             chunk["usage"] = {"prompt_tokens": p.num_prompt_tokens,
                               "completion_tokens": c.num_tokens,
                               "total_tokens": p.num_prompt_tokens + c.num_tokens}
         return _sse(json.dumps(chunk, ensure_ascii=False))
+
+
+def _prompt_ids(p: Prepared, c: Choice) -> list[int] | None:
+    """A non-streamed choice's prompt_token_ids: null unless return_token_ids asks."""
+    return c.prompt_token_ids if p.return_token_ids else None
+
+
+def _take_prompt_ids(p: Prepared, c: Choice) -> list[int] | None:
+    """The prompt's ids for a choice's first chunk; None after it, or when not asked."""
+    if not p.return_token_ids:
+        return None
+    ids, c.prompt_token_ids = c.prompt_token_ids, None
+    return ids
+
+
+def _take_step_ids(p: Prepared, c: Choice) -> list[int] | None:
+    """The ids of the step being written, once; None when not asked."""
+    if not p.return_token_ids:
+        return None
+    ids, c.step_ids = c.step_ids, []
+    return ids
 
 
 def _finish_reason(c: Choice) -> str | None:

@@ -253,7 +253,8 @@ class Serving:
                             temperature=settings.temperature or 0.0,
                             length_penalty=length_penalty, ignore_eos=settings.ignore_eos,
                             eos_token_ids=self.builder.eos_token_ids,
-                            num_logits=self.builder.num_logits)
+                            num_logits=self.builder.num_logits,
+                            placeholder_ids=self.builder.placeholder_ids)
 
         def submit(request_id: str, ids: list[int], params: SamplingParams) -> RequestStream:
             return self.engines.submit(AddRequest(request_id=request_id, prompt_token_ids=ids,

@@ -91,7 +91,7 @@ class Sequence:
         self.sampling = sampling
         # thinking_token_budget: what it has thought (engine_proc/thinking_budget.py)
         self.thinking = (None if sampling.thinking_token_budget is None
-                         else ThinkingBudget(sampling))
+                         else ThinkingBudget(sampling, self.token_ids))
         # whether sampling changes its logits (engine_proc/logits_adjustments.py)
         self.adjusts_logits = bool(
             sampling.has_penalties or sampling.logit_bias or sampling.min_tokens
@@ -117,6 +117,7 @@ class Sequence:
         self.num_preemptions = 0
         self.arrived_at = time.monotonic()
         self.scheduled_at: float | None = None  # first admitted to the running batch
+        self.num_cached_tokens = 0  # of its prompt, found in the prefix cache then
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.error_code = 0  # shared.messages.ErrorCode, when error is set (0: INTERNAL)

@@ -1,7 +1,9 @@
 """vLLM's reasoning controls beyond the parsers (issue 31, theme 3): thinking_token_budget
 (the end marker forced after that many thinking tokens), --reasoning-config naming the
 markers, and include_reasoning, against a server with --reasoning-parser qwen3. The tiny
-model never ends its thinking by itself: whatever follows the budget is the forced marker."""
+model never ends its thinking by itself: whatever follows the budget is the forced marker.
+Its default template opens no think block (the budget counts from the first token); a
+template that opens one in the prompt, as Qwen3.5's, is counted as vLLM counts it."""
 
 from __future__ import annotations
 
@@ -16,6 +18,11 @@ from tests.e2e.vllm_dropin.conftest import MODEL
 
 CHAT = [{"role": "user", "content": "What is 1+1?"}]
 MARKERS = {"reasoning_start_str": "<think>", "reasoning_end_str": "</think>"}
+# Qwen3.5's generation prompt: a think block opened, its newline in the prompt
+OPENS_THINKING = r"""{%- for m in messages -%}
+    {{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n<think>\n' -}}{%- endif -%}"""
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +59,48 @@ def test_thinking_ends_after_the_budget(thinker, builder, budget):
             reasoning += chunk.choices[0].delta.model_extra.get("reasoning") or ""
             content += chunk.choices[0].delta.content or ""
     assert (reasoning, content) == ((message.model_extra["reasoning"] or ""), message.content)
+
+
+@pytest.fixture(scope="module", params=["--reasoning-config", "the parser's markers"])
+def opener(request, tmp_path_factory, tiny_model_path):
+    folder = tmp_path_factory.mktemp("opener")
+    (folder / "opens_thinking.jinja").write_text(OPENS_THINKING)
+    flags = ["--reasoning-parser", "qwen3", "--chat-template", str(folder / "opens_thinking.jinja")]
+    if request.param == "--reasoning-config":
+        flags += ["--reasoning-config", json.dumps(MARKERS)]
+    proc = ServerProcess(*flags, log_path=folder / "server.log")
+    try:
+        proc.wait_ready()
+        yield openai.OpenAI(base_url=proc.url + "/v1", api_key="unused", max_retries=0)
+    finally:
+        proc.stop()
+
+
+def ids_between_markers(ids: list[int], start: list[int], end: list[int]) -> int:
+    """vLLM's test's count: the token ids after the last start marker, up to the first end
+    marker after it."""
+    at = max(i for i in range(len(ids) - len(start) + 1) if ids[i:i + len(start)] == start)
+    at += len(start)
+    return next(j for j in range(at, len(ids)) if ids[j:j + len(end)] == end) - at
+
+
+def test_a_budget_counts_the_thinking_the_prompt_opened(opener, builder):
+    """vLLM's count: budget 5 is 5 tokens between the markers, the prompt's newline after
+    `<think>` the first of them; the completion thinks the other 4."""
+    start, end = builder.encode("<think>"), builder.encode("</think>")
+    args = dict(model=MODEL, messages=CHAT, max_tokens=14, temperature=0,
+                extra_body={"thinking_token_budget": 5, "return_token_ids": True,
+                            "ignore_eos": True})
+    reply = opener.chat.completions.create(**args)
+    prompt, ids = reply.model_extra["prompt_token_ids"], reply.choices[0].model_extra["token_ids"]
+    assert ids_between_markers(prompt + ids, start, end) == 5
+    assert ids[4:4 + len(end)] == end
+    message = reply.choices[0].message
+    assert message.model_extra["reasoning"] == builder.decoder.decode(ids[:4])
+    reasoning = "".join(c.choices[0].delta.model_extra.get("reasoning") or ""
+                        for c in opener.chat.completions.create(stream=True, **args)
+                        if c.choices)
+    assert reasoning == message.model_extra["reasoning"]
 
 
 def test_without_a_budget_the_tiny_model_keeps_thinking(thinker):

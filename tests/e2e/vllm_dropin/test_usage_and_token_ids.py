@@ -70,11 +70,48 @@ def test_return_token_ids_in_chat(oai, builder):
                                              temperature=0, stream=True,
                                              extra_body={"return_token_ids": True}):
         firsts.append("prompt_token_ids" in chunk.model_extra)
-        streamed += chunk.choices[0].model_extra["token_ids"]
+        streamed += chunk.choices[0].model_extra.get("token_ids", [])  # not the role chunk's
     assert firsts[0] and not any(firsts[1:]) and streamed == ids
-    without = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
-    assert "prompt_token_ids" not in without.model_extra
-    assert "token_ids" not in without.choices[0].model_extra
+
+
+def test_token_ids_agree_with_the_text_around_an_emoji(oai, builder):
+    """vLLM's emoji case: the ids decode to the text, streamed (a character split across
+    tokens held back, its ids not) or not, and the prompt's ids to the rendered prompt."""
+    chat = [{"role": "user", "content": "Repeat after me: I love cats 🐱"}]
+    args = dict(model=MODEL, messages=chat, max_tokens=24, temperature=0,
+                extra_body={"return_token_ids": True})
+    reply = oai.chat.completions.create(**args)
+    prompt = builder.decoder_with_specials.decode(reply.model_extra["prompt_token_ids"])
+    assert prompt.endswith("I love cats 🐱<|im_end|>\n<|im_start|>assistant\n")
+    ids = reply.choices[0].model_extra["token_ids"]
+    assert builder.decoder.decode(ids) == reply.choices[0].message.content
+    chunks = list(oai.chat.completions.create(stream=True, **args))
+    assert chunks[0].model_extra["prompt_token_ids"] == reply.model_extra["prompt_token_ids"]
+    streamed = [t for c in chunks for t in c.choices[0].model_extra.get("token_ids", [])]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert streamed == ids and text == reply.choices[0].message.content
+
+
+def test_token_id_keys_are_null_when_not_asked(oai):
+    """vLLM 0.32's shape without return_token_ids: the keys are there, null (a client that
+    reads `reply.prompt_token_ids` gets None, not an AttributeError), where vLLM writes them."""
+    chat = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
+    assert chat.model_extra["prompt_token_ids"] is None
+    assert chat.choices[0].model_extra["token_ids"] is None
+    [choice] = oai.completions.create(model=MODEL, prompt="Hello there", max_tokens=2).choices
+    assert (choice.model_extra["prompt_token_ids"], choice.model_extra["token_ids"]) == (None, None)
+    role, *steps, usage = oai.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=2, stream=True,
+        stream_options={"include_usage": True})
+    assert role.model_extra["prompt_token_ids"] is None  # the role chunk only, at the top
+    assert "token_ids" not in role.choices[0].model_extra
+    assert steps and all("prompt_token_ids" not in c.model_extra
+                         and c.choices[0].model_extra["token_ids"] is None for c in steps)
+    assert not usage.choices and "prompt_token_ids" not in usage.model_extra
+    chunks = list(oai.completions.create(model=MODEL, prompt="Hello there", max_tokens=2,
+                                         stream=True))
+    assert chunks and all(c.choices[0].model_extra["prompt_token_ids"] is None
+                          and c.choices[0].model_extra["token_ids"] is None for c in chunks)
 
 
 def test_return_token_ids_in_completions(oai, builder):
