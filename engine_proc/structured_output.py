@@ -187,18 +187,13 @@ class StructuredOutputs:
                 job.set_exception(error)
 
     def _compile(self, job: _Compile) -> Any:
-        if self._compiler is None:
-            self._compiler = _CompilerProcess([
-                self.tokenizer_dir, str(self.vocab_size), json.dumps(self.eos_token_ids),
-                str(self.cache_bytes), str(self.max_compiled_bytes)])
-            if self._compiler.readline(time.monotonic() + 300, job.abandoned) is None:
-                self._stop_compiler()
-                raise GrammarError("the grammar compiler did not start")
-        compiler = self._compiler
-        compiler.process.stdin.write(json.dumps({"kind": job.kind, "spec": job.spec}).encode()
-                                     + b"\n")
-        compiler.process.stdin.flush()
-        header = compiler.readline(time.monotonic() + self.timeout_s, job.abandoned)
+        compiler = self._send(job)
+        try:
+            header = compiler.readline(time.monotonic() + self.timeout_s, job.abandoned)
+        except GrammarError:  # it died before answering: a fresh one takes the job, once
+            self._stop_compiler()
+            compiler = self._send(job)
+            header = compiler.readline(time.monotonic() + self.timeout_s, job.abandoned)
         if header is None:
             self._stop_compiler()  # the only way to stop a compile that runs on
             if job.abandoned.is_set():
@@ -210,6 +205,32 @@ class StructuredOutputs:
             raise GrammarError(answer["error"])
         data = compiler.stdout.read(answer["size"])
         return self._xgr.CompiledGrammar.deserialize_json(data.decode(), self._info)
+
+    def _send(self, job: _Compile) -> _CompilerProcess:
+        """The job written to the compiler, started first if there is none. One that died
+        since its last grammar (its pipe broken) is replaced once: the job is not at fault."""
+        for attempt in range(2):
+            compiler = self._start(job)
+            try:
+                compiler.process.stdin.write(
+                    json.dumps({"kind": job.kind, "spec": job.spec}).encode() + b"\n")
+                compiler.process.stdin.flush()
+                return compiler
+            except OSError:
+                self._stop_compiler()
+                if attempt:
+                    raise GrammarError("the grammar compiler exited") from None
+        raise AssertionError("unreachable")
+
+    def _start(self, job: _Compile) -> _CompilerProcess:
+        if self._compiler is None:
+            self._compiler = _CompilerProcess([
+                self.tokenizer_dir, str(self.vocab_size), json.dumps(self.eos_token_ids),
+                str(self.cache_bytes), str(self.max_compiled_bytes)])
+            if self._compiler.readline(time.monotonic() + 300, job.abandoned) is None:
+                self._stop_compiler()
+                raise GrammarError("the grammar compiler did not start")
+        return self._compiler
 
     def _cached(self, job: _Compile) -> Any:
         compiled = self._cache.get((job.kind, job.spec))

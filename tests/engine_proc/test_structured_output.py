@@ -221,10 +221,7 @@ def test_a_compiler_process_that_died_is_replaced(engine):
     os.kill(pid, signal.SIGKILL)
     wait_until(lambda: gone(pid) or structured._compiler.process.poll() is not None,
                "the compiler did not die")
-    first = structured.compile("regex", "[0-9]{2}")  # finds it dead: fails, and is replaced
-    try:
-        first.result(60)
-    except Exception as e:  # noqa: BLE001 - which error depends on where the death is seen
-        assert "compiler" in str(e)
-    assert finish_one(engine, ("regex", "[a-z]{4}")).finish_reason in ("stop", "length")
+    # it is found dead (its pipe broken, or no answer): a fresh one takes the same job
+    assert structured.compile("regex", "[0-9]{2}").result(60) is not None
     assert structured.compiler_pid not in (None, pid)
+    assert finish_one(engine, ("regex", "[a-z]{4}")).finish_reason in ("stop", "length")
