@@ -83,6 +83,7 @@ class StateMetadata:
         self.groups = _padding_groups(
             [sp for sp in self.spans if sp.end - sp.start > RECURRENT_MAX_TOKENS])
         self._span_tensors: tuple | None = None
+        self._token_spans: torch.Tensor | None = None
 
     def span_tensors(self, device: torch.device) -> tuple:
         """(cu_seqlens int64 [N+1] from the first span's start, slots int64 [N], has_initial
@@ -95,6 +96,14 @@ class StateMetadata:
             self._span_tensors = (cu.to(device), slots.to(device),
                                   initial.to(device) if self.keep else None)
         return self._span_tensors
+
+    def token_spans(self, device: torch.device) -> torch.Tensor:
+        """int32 [prefill tokens]: each prefill token's span, built once for all layers."""
+        if self._token_spans is None:
+            lengths = torch.tensor([sp.end - sp.start for sp in self.spans])
+            spans = torch.repeat_interleave(torch.arange(len(self.spans)), lengths)
+            self._token_spans = spans.to(torch.int32).to(device)
+        return self._token_spans
 
 
 def build_state_metadata(ctx: Context, num_tokens: int) -> StateMetadata:
@@ -205,31 +214,37 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self.in_proj(x).split(
             [conv_dim, self.num_v_heads * self.head_v_dim, self.num_v_heads, self.num_v_heads],
             dim=-1)
-        in_place = decode_kernels(self.ssm_state, self.conv_state, qkv) \
-            if meta.num_decodes else None
-        qkv = self._conv(qkv, meta, in_place)
+        kernels = decode_kernels(self.ssm_state, self.conv_state, qkv) if meta.keep else None
+        qkv = self._conv(qkv, meta, kernels)
         q, k, v = qkv.split(self.local_sizes, dim=-1)
         q = q.view(num_tokens, self.num_k_heads, self.head_k_dim)
         k = k.view(num_tokens, self.num_k_heads, self.head_k_dim)
         v = v.view(num_tokens, self.num_v_heads, self.head_v_dim)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        core = self._delta_rule(q, k, v, g, beta, meta, in_place)
+        core = self._delta_rule(q, k, v, g, beta, meta, kernels)
         core = self.norm(core.view(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(core.view(num_tokens, -1))
 
-    def _conv(self, qkv: torch.Tensor, meta: StateMetadata, in_place) -> torch.Tensor:
-        """in_place: the kernels (`decode_kernels`) that advance the decodes' conv states in
-        their slots; None: gather them and scatter them back."""
+    def _conv(self, qkv: torch.Tensor, meta: StateMetadata, kernels) -> torch.Tensor:
+        """kernels: those (`decode_kernels`) that advance the decodes' conv states in their
+        slots, and on a GPU the prefill chunks' in two launches; None: gather the decodes'
+        states and scatter them back, and run the chunks one by one."""
         weight = self.conv1d.weight
         out = torch.empty_like(qkv)
         n = meta.num_decodes
-        if in_place:
-            in_place.conv_decode_(self.conv_state, meta.decode_slots, qkv[:n], weight, out[:n])
+        if kernels and n:
+            kernels.conv_decode_(self.conv_state, meta.decode_slots, qkv[:n], weight, out[:n])
         elif n:
             states = self.conv_state.index_select(0, meta.decode_slots)
             out[:n], states = causal_conv_step(qkv[:n], weight, states)
             self.conv_state.index_copy_(0, meta.decode_slots, states.to(self.conv_state.dtype))
+        if meta.spans and hasattr(kernels, "conv_prefill_"):
+            first = meta.spans[0].start
+            cu, slots, has_initial = meta.span_tensors(qkv.device)
+            kernels.conv_prefill_(self.conv_state, qkv[first:], weight, out[first:], cu,
+                                  meta.token_spans(qkv.device), slots, has_initial)
+            return out
         keep = meta.keep
         for span in meta.spans:
             state = self.conv_state[span.slot] if keep and span.has_initial_state else None
@@ -238,11 +253,11 @@ class GatedDeltaNet(nn.Module):
                 self.conv_state[span.slot] = state
         return out
 
-    def _delta_rule(self, q, k, v, g, beta, meta: StateMetadata, in_place) -> torch.Tensor:
+    def _delta_rule(self, q, k, v, g, beta, meta: StateMetadata, kernels) -> torch.Tensor:
         out = v.new_empty(v.shape)
         n = meta.num_decodes
-        if in_place:
-            in_place.gated_delta_rule_decode_(
+        if kernels and n:
+            kernels.gated_delta_rule_decode_(
                 self.ssm_state, meta.decode_slots, q[:n], k[:n], v[:n], g[:n], beta[:n], out[:n])
         elif n:
             states = self.ssm_state.index_select(0, meta.decode_slots)

@@ -12,7 +12,9 @@ each slot's last K-1 inputs, writes silu(conv) and shifts the new input in, in p
 No gather or scatter copies, no host sync; the launch shapes depend only on the number of
 sequences and the layer's sizes, and the slots are read on the device, so a CUDA graph can
 replay them (padding rows point at a slot no sequence owns: engine_proc/cuda_graphs.py).
-Prefill chunks take the chunked rule (flash-linear-attention's kernels where installed).
+A step's prefill chunks take the conv in two launches (`conv_prefill_`: the outputs, then
+the new states) and the chunked rule through flash-linear-attention's kernels where
+installed (gated_delta_rule_fla.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import triton.language as tl
 
 BLOCK_V = 32  # value columns per program
 BLOCK_C = 256  # conv channels per program
+BLOCK_T = 16  # prefill tokens per conv program
 
 
 @triton.jit
@@ -89,6 +92,67 @@ def _conv_kernel(
              (out / (1.0 + tl.exp(-out))).to(out_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _conv_prefill_kernel(
+    state_ptr, x_ptr, weight_ptr, out_ptr, token_span_ptr, cu_ptr, slots_ptr, initial_ptr,
+    stride_state_slot, stride_x_row, num_tokens, channels,
+    WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Outputs of BLOCK_T tokens x BLOCK_C channels of a step's prefill chunks: each tap is
+    the chunk's own input or, before its first token, its slot's state (zeros for a first
+    chunk). The states are not written here: _conv_state_kernel does that after."""
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    t_ok = tokens < num_tokens
+    c_ok = cols < channels
+    span = tl.load(token_span_ptr + tokens, mask=t_ok, other=0)
+    start = tl.load(cu_ptr + span, mask=t_ok, other=0)
+    slot = tl.load(slots_ptr + span, mask=t_ok, other=0).to(tl.int64)
+    initial = tl.load(initial_ptr + span, mask=t_ok, other=0) != 0
+    pos = tokens - start  # within the chunk
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(WIDTH):  # in tap order, as the torch form sums them
+        src = pos - (WIDTH - 1) + j  # the tap's input, < 0: in the state
+        in_x = (src >= 0) & t_ok
+        in_state = (src < 0) & initial & t_ok
+        tap = tl.load(x_ptr + (start + src)[:, None] * stride_x_row + cols[None, :],
+                      mask=in_x[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+        tap += tl.load(state_ptr + slot[:, None] * stride_state_slot
+                       + (WIDTH - 1 + src)[:, None] * channels + cols[None, :],
+                       mask=in_state[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(weight_ptr + cols * WIDTH + j, mask=c_ok, other=0.0).to(tl.float32)
+        acc += tap * w[None, :]
+    y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded once, then silu
+    tl.store(out_ptr + tokens[:, None] * channels + cols[None, :],
+             (y / (1.0 + tl.exp(-y))).to(out_ptr.dtype.element_ty),
+             mask=t_ok[:, None] & c_ok[None, :])
+
+
+@triton.jit
+def _conv_state_kernel(
+    state_ptr, x_ptr, cu_ptr, slots_ptr, initial_ptr, stride_state_slot, stride_x_row,
+    channels, WIDTH: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """A chunk's new conv state: its last K-1 inputs, older state rows (or zeros) where the
+    chunk is shorter than that."""
+    span = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = cols < channels
+    start = tl.load(cu_ptr + span)
+    length = tl.load(cu_ptr + span + 1) - start
+    slot = tl.load(slots_ptr + span).to(tl.int64)
+    initial = tl.zeros([BLOCK_C], dtype=tl.int32) + tl.load(initial_ptr + span) != 0
+    state = state_ptr + slot * stride_state_slot + cols
+    # ascending: row r reads state row r + length (> r) at most, not yet overwritten
+    for r in tl.static_range(WIDTH - 1):
+        src = tl.zeros([BLOCK_C], dtype=tl.int64) + (length - (WIDTH - 1) + r)  # per column
+        from_x = tl.load(x_ptr + (start + src) * stride_x_row + cols, mask=c_ok & (src >= 0),
+                         other=0.0).to(state_ptr.dtype.element_ty)
+        old = tl.load(state + (WIDTH - 1 + src) * channels, mask=c_ok & (src < 0) & initial,
+                      other=0.0)
+        tl.store(state + r * channels, tl.where(src >= 0, from_x, old), mask=c_ok)
+
+
 def gated_delta_rule_decode_(ssm_state: torch.Tensor, slots: torch.Tensor, q: torch.Tensor,
                              k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                              beta: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -104,6 +168,30 @@ def gated_delta_rule_decode_(ssm_state: torch.Tensor, slots: torch.Tensor, q: to
             ssm_state.stride(0), ssm_state.stride(1), q.stride(0), v.stride(0), g.stride(0),
             dk**-0.5, GROUP=hv // hk, DK=dk, DV=dv, BLOCK_K=triton.next_power_of_2(dk),
             BLOCK_V=BLOCK_V)
+    return out
+
+
+def conv_prefill_(conv_state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                  out: torch.Tensor, cu_seqlens: torch.Tensor, token_span: torch.Tensor,
+                  slots: torch.Tensor, has_initial: torch.Tensor | None) -> torch.Tensor:
+    """A step's prefill chunks in two launches, no loop per chunk: x [T, C] (rows may be
+    strided; chunk i is rows cu_seqlens[i]..cu_seqlens[i+1]), token_span int32 [T] (each
+    row's chunk), weight [C, K] contiguous -> silu(conv) into out [T, C] (contiguous); each
+    chunk starts from its slot's state where has_initial (bool [N]) says so, else zeros, and
+    leaves its last K-1 inputs there. has_initial None: no states are read or kept."""
+    num_tokens, channels = x.shape
+    width = weight.shape[1]
+    initial = (has_initial.to(torch.int32) if has_initial is not None
+               else torch.zeros(len(slots), dtype=torch.int32, device=x.device))
+    if num_tokens:
+        _conv_prefill_kernel[(triton.cdiv(num_tokens, BLOCK_T), triton.cdiv(channels, BLOCK_C))](
+            conv_state, x, weight, out, token_span, cu_seqlens, slots, initial,
+            conv_state.stride(0), x.stride(0), num_tokens, channels,
+            WIDTH=width, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C)
+        if has_initial is not None:
+            _conv_state_kernel[(len(slots), triton.cdiv(channels, BLOCK_C))](
+                conv_state, x, cu_seqlens, slots, initial, conv_state.stride(0), x.stride(0),
+                channels, WIDTH=width, BLOCK_C=BLOCK_C)
     return out
 
 

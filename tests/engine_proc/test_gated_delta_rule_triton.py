@@ -78,10 +78,11 @@ def test_conv_step_shifts_each_slot_in_place_as_the_torch_step(channels, width):
     assert torch.equal(cache[untouched], before)
 
 
-def test_an_engine_decoding_through_the_kernels_gives_transformers_tokens(monkeypatch):
-    """The tiny Qwen3.5 served with every Gated DeltaNet decode through these kernels (in the
-    interpreter on a CPU): greedy tokens are transformers', with a long and an image prompt
-    decoding side by side."""
+def test_an_engine_through_the_kernels_gives_transformers_tokens(monkeypatch):
+    """The tiny Qwen3.5 served with every Gated DeltaNet decode and prefill conv through
+    these kernels (in the interpreter on a CPU): greedy tokens are transformers', prompts
+    prefilled in 17-token chunks (the first from zeros, each later one from its slot's
+    state) beside decodes, and a second wave in the slots the first left."""
     from engine_proc.layers import gated_delta_net
     from shared.model_config import load_model_config
     from shared.random_checkpoints import TINY_QWEN3_5, ensure_checkpoint
@@ -93,11 +94,41 @@ def test_an_engine_decoding_through_the_kernels_gives_transformers_tokens(monkey
                         lambda *args: calls.append(1) or kernel)
     path = ensure_checkpoint(TINY_QWEN3_5)
     config = load_model_config(path)
-    engine = make_engine(path, max_num_seqs=2, device=DEVICE)
+    engine = make_engine(path, max_num_seqs=2, max_num_batched_tokens=17, device=DEVICE)
     prompts = {"long": [150], "img": [20, (4, 6), 30]}
-    out = engine.generate([make_request(config, rid, segments) for rid, segments
-                           in prompts.items()])
     reference = Reference(path)
-    for rid, segments in prompts.items():
-        assert out[rid] == reference.greedy(config, segments)
+    for wave in range(2):
+        out = engine.generate([make_request(config, f"{rid}{wave}", segments, wave)
+                               for rid, segments in prompts.items()])
+        for rid, segments in prompts.items():
+            assert out[f"{rid}{wave}"] == reference.greedy(config, segments, wave)
     assert calls
+
+
+@pytest.mark.parametrize("width", [4, 3])
+def test_prefill_conv_of_a_steps_chunks_matches_the_torch_form_per_chunk(width):
+    """Chunks of 1, 2, 5 and 40 tokens (shorter and longer than the state), two of them
+    continuing from their slot's state, in one call; the states they leave are the torch
+    form's, bit for bit, and other slots keep theirs."""
+    from engine_proc.layers.gated_delta_rule import causal_conv
+
+    gen = torch.Generator().manual_seed(width)
+    channels, lens, initial = 300, [1, 2, 5, 40], [True, False, True, False]
+    slots = torch.tensor([5, 0, 2, 6], device=DEVICE)
+    cache = torch.randn(SLOTS, width - 1, channels, generator=gen).to(DEVICE)
+    weight = torch.randn(channels, width, generator=gen).to(DEVICE)
+    total = sum(lens)
+    x = torch.randn(total, channels + 8, generator=gen).to(DEVICE)[:, 4 : 4 + channels]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEVICE)
+    token_span = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    untouched = [s for s in range(SLOTS) if s not in slots.tolist()]
+    before = cache.clone()
+    out = torch.empty(total, channels, device=DEVICE)
+    kernel.conv_prefill_(cache, x, weight, out, cu, token_span.to(torch.int32).to(DEVICE),
+                         slots, torch.tensor(initial, device=DEVICE))
+    for i, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
+        state = before[slots[i]] if initial[i] else None
+        ref_out, ref_state = causal_conv(x[start:end], weight, state)
+        torch.testing.assert_close(out[start:end], ref_out, **tolerance_for(ref_out, width))
+        assert torch.equal(cache[slots[i]], ref_state)
+    assert torch.equal(cache[untouched], before[untouched])
