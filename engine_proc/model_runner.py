@@ -190,6 +190,9 @@ class ModelRunner:
             rotary_cpu.library()
         graphs = bool(cuda_graph_sizes) and self.workers is None and (
             self.on_cuda or graph_stand_in)
+        if cuda_graph_sizes and not graphs:
+            logger.info("decode steps run eagerly: CUDA graphs need a CUDA device and one rank "
+                        "(this engine: %s, %d ranks)", self.device, tensor_parallel_size)
         # the padding rows' KV block and state slot: one past those the pools hand out
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks + graphs)
         self.state_cache = None
