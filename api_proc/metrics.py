@@ -231,6 +231,10 @@ class EngineStatsCollector(Collector):
             "(hybrid models such as Qwen3.5; allocated at start)",
             value=total("state_cache_bytes"))
         yield GaugeMetricFamily(
+            "flatserve_cuda_graph_bytes", "Device bytes the engines' decode CUDA graphs took "
+            "when captured at start (--no-enforce-eager; 0 when eager)",
+            value=total("cuda_graph_bytes"))
+        yield GaugeMetricFamily(
             "flatserve_state_slots_free", "Recurrent state slots no running request holds",
             value=total("num_state_slots_free"))
         rss = GaugeMetricFamily("flatserve_process_rss_bytes",

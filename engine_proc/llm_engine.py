@@ -333,6 +333,8 @@ class LLMEngine:
             block_size=block_manager.block_size,
             enable_prefix_caching=block_manager.enable_prefix_caching,
             gpu_memory_utilization=self.gpu_memory_utilization or 0.0,
+            cuda_graph_bytes=(0 if self.model_runner.decode_graphs is None
+                              else self.model_runner.decode_graphs.capture_bytes),
         )
 
     def take_encoder_key_changes(self) -> tuple[list[bytes], list[bytes]]:

@@ -151,6 +151,7 @@ class EngineStats:
     block_size: int = 0
     enable_prefix_caching: bool = False  # in effect (hybrid models may turn it off)
     gpu_memory_utilization: float = 0.0  # as given; 0: not given
+    cuda_graph_bytes: int = 0  # device memory the decode graphs took at capture (--no-enforce-eager)
 
 
 @dataclass
