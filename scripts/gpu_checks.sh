@@ -13,8 +13,8 @@
 # Everything is logged to $OUT/log.txt (bench tables too); the soak's CSV, PNG and summary
 # land in $OUT/soak.
 # Without flatserve installed (a bare GPU machine) it runs from the checkout: wheels in
-# ./.whl (if present: the project's dependencies, fla-core and einops) are installed into
-# /tmp/site first. Environment knobs:
+# ./.whl (if present: scripts/gpu_wheels.sh fills it; carry it) are installed into /tmp/site
+# first. Environment knobs:
 # SOAK_REQUESTS (2000), SOAK_CONCURRENCY (128), SOAK_SIZE (2048), BENCH_REQUESTS (200).
 set -uo pipefail
 cd "$(dirname "$0")/.."
