@@ -47,6 +47,27 @@ step() {  # step NAME LIMIT_S command...: run, log, print one summary line
 
 model() { $FS make-model --preset "$1" 2>>"$LOG" | tail -1; }
 
+busy() {  # busy NAME command...: run it while nvidia-smi samples the GPU's utilization
+    # every 0.5 s; print the samples' median and the share at >= 80% (the GPU issues' target)
+    local name=$1 pid rc
+    shift
+    nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits -lms 500 \
+        >"$OUT/busy_$name.txt" 2>/dev/null &
+    pid=$!
+    "$@"
+    rc=$?
+    kill "$pid" 2>/dev/null
+    "$PY" - "$OUT/busy_$name.txt" "$name" <<'PYEOF'
+import statistics, sys
+samples = [int(x) for x in open(sys.argv[1]).read().split() if x.strip().isdigit()]
+if samples:
+    busy = sum(s >= 80 for s in samples) / len(samples)
+    print(f"GPU busy {sys.argv[2]}: median {statistics.median(samples)}%, "
+          f">= 80% in {busy:.0%} of {len(samples)} samples")
+PYEOF
+    return $rc
+}
+
 run_env() {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     "$PY" -c "import torch; from importlib.metadata import version as v; print('torch', \
@@ -87,9 +108,8 @@ run_bench() {  # the README's rows on the tiny model
 run_bench3b() {  # Qwen2.5-VL-3B shapes, random bf16 weights
     local m
     m=$(model 3b)
-    $FS bench --workload text --prompt-len 256 --output-len 128 --ignore-eos \
-        --concurrency 32 --num-requests 128 --no-progress \
-        -- --model "$m"
+    busy bench3b_text_c32 $FS bench --workload text --prompt-len 256 --output-len 128 \
+        --ignore-eos --concurrency 32 --num-requests 128 --no-progress -- --model "$m"
     $FS bench --workload image --image-size 1024 --output-len 64 --ignore-eos \
         --concurrency 32 --num-requests 128 --no-progress \
         -- --model "$m"
@@ -99,9 +119,9 @@ run_bench35() {  # Qwen3.5-0.8B shapes, random bf16 weights (the Qwen3.5-on-GPU 
     local m
     m=$(model qwen3.5-0.8b)
     for c in 1 32 128; do
-        $FS bench --workload text --prompt-len 256 --output-len 128 --ignore-eos \
-            --concurrency "$c" --num-requests $(( c < 32 ? 8 : 2 * c )) --no-progress \
-            -- --model "$m" --max-num-seqs 128
+        busy "bench35_text_c$c" $FS bench --workload text --prompt-len 256 --output-len 128 \
+            --ignore-eos --concurrency "$c" --num-requests $(( c < 32 ? 8 : 2 * c )) \
+            --no-progress -- --model "$m" --max-num-seqs 128
     done
     $FS bench --workload image --image-size 448 --output-len 64 --ignore-eos \
         --concurrency 32 --num-requests 128 --no-progress -- --model "$m" --max-num-seqs 128
@@ -117,9 +137,10 @@ run_graphs() {  # decode steps as CUDA graphs: the tokens test ran in `tests`; t
     local m c
     for m in "$(model 3b)" "$(model qwen3.5-0.8b)"; do
         for c in 1 32; do
-            $FS bench --workload text --prompt-len 256 --output-len 128 --ignore-eos \
-                --concurrency "$c" --num-requests $(( c < 32 ? 8 : 64 )) --no-progress \
-                -- --model "$m" --no-enforce-eager
+            busy "graphs_$(basename "$m")_c$c" $FS bench --workload text --prompt-len 256 \
+                --output-len 128 --ignore-eos --concurrency "$c" \
+                --num-requests $(( c < 32 ? 8 : 64 )) --no-progress -- --model "$m" \
+                --no-enforce-eager
         done
     done
 }
@@ -137,11 +158,11 @@ run_kernels() {  # Qwen2.5-VL-3B's and Qwen3.5-0.8B's attention shapes, bf16
         --json "$OUT/paged_decode_0_8b.json"
 }
 
-export -f model run_env run_tests run_e2e run_moe run_bench run_bench3b run_bench35 run_soak \
+export -f model busy run_env run_tests run_e2e run_moe run_bench run_bench3b run_bench35 run_soak \
     run_kernels run_graphs run_soak35
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(env tests e2e moe bench bench3b soak)
-declare -A LIMIT=([env]=60 [tests]=100 [e2e]=300 [moe]=60 [bench]=80 [bench3b]=200
+declare -A LIMIT=([env]=60 [tests]=180 [e2e]=300 [moe]=60 [bench]=80 [bench3b]=200
                   [soak]=260 [kernels]=90 [bench35]=240
                   [graphs]=240 [soak35]=400)
 for s in "${steps[@]}"; do
