@@ -1,0 +1,48 @@
+"""A GPU engine's decode path, all of it but the card: decode steps through the graphs'
+static buffers (the eager stand-in replays them), attention through the paged Triton kernel
+and Qwen3.5's states through the Triton kernels by slot (Triton's interpreter on a CPU,
+float32). What the kernels read is what a replay gives them: int32 lengths, block tables
+whose columns past a sequence keep earlier steps' entries, padding rows in the reserved
+block and state slot. Greedy tokens are transformers'."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from engine_proc.cuda_graphs import DecodeGraphs  # noqa: E402
+from engine_proc.layers import attention, gated_delta_net  # noqa: E402
+from engine_proc.layers import gated_delta_rule_triton as delta_kernels  # noqa: E402
+from engine_proc.layers import paged_decode_attention_triton as attention_kernel  # noqa: E402
+from shared.model_config import load_model_config  # noqa: E402
+from shared.random_checkpoints import TINY_QWEN3_5, ensure_checkpoint  # noqa: E402
+from tests.engine_proc.engine_factory import make_engine  # noqa: E402
+from tests.engine_proc.test_engine import Reference, make_request  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="no CUDA device, and TRITON_INTERPRET is not 1")
+
+
+def test_graph_buffers_through_the_triton_kernels_give_transformers_tokens(monkeypatch):
+    replays = []
+    replay = DecodeGraphs.replay
+    monkeypatch.setattr(DecodeGraphs, "replay", lambda self, inputs: replays.append(
+        len(inputs.input_ids)) or replay(self, inputs))
+    monkeypatch.setattr(attention, "triton_decode", lambda device: attention_kernel)
+    monkeypatch.setattr(gated_delta_net, "decode_kernels", lambda *args: delta_kernels)
+    path = ensure_checkpoint(TINY_QWEN3_5)
+    config = load_model_config(path)
+    engine = make_engine(path, max_num_seqs=4, dtype="float32", enforce_eager=False,
+                         cudagraph_capture_sizes=(1, 2, 4), graph_stand_in=True)
+    prompts = {"a": [30], "b": [4, (2, 2), 9], "c": [70]}  # 3 run in the 4 graph
+    reference = Reference(path)
+    for wave in range(2):  # the second in the blocks and slots the first left
+        out = engine.generate([make_request(config, f"{rid}{wave}", segments, wave,
+                                            max_tokens=6) for rid, segments in prompts.items()])
+        for rid, segments in prompts.items():
+            assert out[f"{rid}{wave}"] == reference.greedy(config, segments, wave, max_tokens=6)
+    assert 3 in replays
