@@ -78,33 +78,6 @@ def test_conv_step_shifts_each_slot_in_place_as_the_torch_step(channels, width):
     assert torch.equal(cache[untouched], before)
 
 
-def test_an_engine_through_the_kernels_gives_transformers_tokens(monkeypatch):
-    """The tiny Qwen3.5 served with every Gated DeltaNet decode and prefill conv through
-    these kernels (in the interpreter on a CPU): greedy tokens are transformers', prompts
-    prefilled in 17-token chunks (the first from zeros, each later one from its slot's
-    state) beside decodes, and a second wave in the slots the first left."""
-    from engine_proc.layers import gated_delta_net
-    from shared.model_config import load_model_config
-    from shared.random_checkpoints import TINY_QWEN3_5, ensure_checkpoint
-    from tests.engine_proc.engine_factory import make_engine
-    from tests.engine_proc.test_engine import Reference, make_request
-
-    calls = []
-    monkeypatch.setattr(gated_delta_net, "decode_kernels",
-                        lambda *args: calls.append(1) or kernel)
-    path = ensure_checkpoint(TINY_QWEN3_5)
-    config = load_model_config(path)
-    engine = make_engine(path, max_num_seqs=2, max_num_batched_tokens=17, device=DEVICE)
-    prompts = {"long": [150], "img": [20, (4, 6), 30]}
-    reference = Reference(path)
-    for wave in range(2):
-        out = engine.generate([make_request(config, f"{rid}{wave}", segments, wave)
-                               for rid, segments in prompts.items()])
-        for rid, segments in prompts.items():
-            assert out[f"{rid}{wave}"] == reference.greedy(config, segments, wave)
-    assert calls
-
-
 @pytest.mark.parametrize("width", [4, 3])
 def test_prefill_conv_of_a_steps_chunks_matches_the_torch_form_per_chunk(width):
     """Chunks of 1, 2, 5 and 40 tokens (shorter and longer than the state), two of them
