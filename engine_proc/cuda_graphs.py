@@ -213,9 +213,15 @@ class StaticDecodeInputs:
             host["state_slots"][start:end] = pad.state_slot
 
     def _copy(self, size: int) -> None:
+        """Each buffer's first `size` rows in one contiguous copy. positions [3, max_size] is
+        copied whole: its first `size` columns are not contiguous, and torch would stage such a
+        copy through pageable memory, which waits for the device."""
         staging = self.staging.rows(size).step_tensors()
         for name, dst in self.buffers.rows(size).step_tensors().items():
-            dst.copy_(staging[name], non_blocking=True)
+            if name == "positions":
+                self.buffers.positions.copy_(self.staging.positions, non_blocking=True)
+            else:
+                dst.copy_(staging[name], non_blocking=True)
 
 
 class DecodeGraphs:

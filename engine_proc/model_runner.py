@@ -26,6 +26,7 @@ from engine_proc.cuda_graphs import DecodeGraphs, DecodePadding
 from engine_proc.distributed import all_reduce_min, tp_shard
 from engine_proc.encoder_cache import EncoderCache
 from engine_proc.layers import paged_attention_cpu, rms_norm_cpu, rotary_cpu
+from engine_proc.layers.attention import triton_decode
 from engine_proc.layers.packed_linear import pack_linear_weights
 from engine_proc.logits_adjustments import build_adjustments
 from engine_proc.models.registry import model_class
@@ -206,6 +207,11 @@ class ModelRunner:
 
     def _capture_decode_graphs(self, sizes: tuple[int, ...], stand_in: bool
                                ) -> DecodeGraphs | None:
+        if self.on_cuda and not stand_in and triton_decode(self.device) is None:
+            # the gather path sizes its keys by a host length: a graph would gather them all
+            logger.warning("decode steps run eagerly: CUDA graphs need the paged Triton "
+                           "attention kernel (Triton did not import)")
+            return None
         padding = DecodePadding.reserved_block(
             self.num_kv_blocks, self.block_size,
             self.num_state_slots + self.num_state_snapshots if self.state_shape else -1)
