@@ -105,6 +105,5 @@ def allocate_state_cache(model: nn.Module, shape: StateShape, num_slots: int,
     ssm = torch.zeros((shape.num_layers, num_slots, shape.num_heads, shape.key_dim,
                        shape.value_dim), dtype=shape.ssm_dtype, device=device)
     for i, layer in enumerate(layers):
-        layer.conv_state = conv[i]
-        layer.ssm_state = ssm[i]
+        layer.use_states(conv[i], ssm[i])
     return conv, ssm

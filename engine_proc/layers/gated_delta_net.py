@@ -5,7 +5,8 @@ Per layer: one projection of the whole batch into q/k/v (conv channels), the out
 and the b/a heads; the causal conv and the delta rule (layers/gated_delta_rule.py); the
 gated RMSNorm; out_proj. The leading decodes of a batch run as one batch: their states
 advance one token in their slots, each state read and written in place by a kernel
-(`decode_kernels`: layers/gated_delta_rule_cpu.py on a CPU in float32,
+(`decode_kernels`, picked once per layer when its states are assigned:
+layers/gated_delta_rule_cpu.py on a CPU in float32,
 gated_delta_rule_triton.py on a GPU); elsewhere they are gathered by slot and scattered
 back. Each prefill chunk then runs
 on its own, from its slot's state when earlier chunks of its sequence ran
@@ -199,6 +200,13 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = RowParallelLinear(value_dim, cfg.hidden_size, bias=False, shard=shard)
         self.conv_state = torch.tensor([])
         self.ssm_state = torch.tensor([])
+        self.kernels = None  # the decode kernels for these states (`use_states`)
+
+    def use_states(self, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
+        """Keep each sequence's state in these slot tensors ([slots, K-1, channels],
+        [slots, Hv, dk, dv]); the kernels that advance them in place are picked here, once."""
+        self.conv_state, self.ssm_state = conv_state, ssm_state
+        self.kernels = decode_kernels(ssm_state, conv_state)
 
     def load_tensor(self, key: str, param: torch.Tensor, tensor: torch.Tensor) -> None:
         """A_log and dt_bias: this rank's value heads."""
@@ -214,7 +222,7 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self.in_proj(x).split(
             [conv_dim, self.num_v_heads * self.head_v_dim, self.num_v_heads, self.num_v_heads],
             dim=-1)
-        kernels = decode_kernels(self.ssm_state, self.conv_state, qkv) if meta.keep else None
+        kernels = self.kernels if meta.keep else None
         qkv = self._conv(qkv, meta, kernels)
         q, k, v = qkv.split(self.local_sizes, dim=-1)
         q = q.view(num_tokens, self.num_k_heads, self.head_k_dim)
@@ -309,16 +317,16 @@ class GatedDeltaNet(nn.Module):
                 self.ssm_state[span.slot] = state[i]
 
 
-def decode_kernels(ssm_state: torch.Tensor, conv_state: torch.Tensor, qkv: torch.Tensor):
+def decode_kernels(ssm_state: torch.Tensor, conv_state: torch.Tensor):
     """The module whose `gated_delta_rule_decode_` and `conv_decode_` advance a layer's
-    decodes in their slots on this device (the C kernels on a CPU in float32, the Triton ones
-    on a GPU), or None: the torch form, states gathered and scattered back."""
-    if qkv.is_cuda:
+    decodes in their slots on its states' device (the C kernels on a CPU in float32, the
+    Triton ones on a GPU), or None: the torch form, states gathered and scattered back."""
+    if conv_state.is_cuda:
         kernels = _triton_kernels()
         states_ok = (ssm_state.stride(3) == 1 and ssm_state.stride(2) == ssm_state.shape[3]
                      and conv_state.is_contiguous())
         return kernels if kernels is not None and states_ok else None
-    if gated_delta_rule_cpu.applies(ssm_state, conv_state, qkv):
+    if gated_delta_rule_cpu.applies(ssm_state, conv_state):
         return gated_delta_rule_cpu
     return None
 

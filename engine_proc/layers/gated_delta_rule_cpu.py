@@ -41,16 +41,17 @@ def library():
                              "Gated DeltaNet decodes gather and scatter their states", SIGNATURES)
 
 
-def applies(ssm_state: torch.Tensor, conv_state: torch.Tensor, qkv: torch.Tensor) -> bool:
-    """Whether the kernels take this layer's decodes: CPU, float32 states and inputs,
-    contiguous caches, head dims a multiple of 32 (checked by the caller's shapes)."""
-    return (qkv.device.type == "cpu" and qkv.dtype == torch.float32
+def applies(ssm_state: torch.Tensor, conv_state: torch.Tensor) -> bool:
+    """Whether the kernels take a layer's decodes: CPU, float32 states (the conv state has
+    the model's dtype, so its inputs are float32 too), contiguous caches, head dims a
+    multiple of 32."""
+    return (conv_state.device.type == "cpu"
             and ssm_state.dtype == torch.float32 and conv_state.dtype == torch.float32
             and ssm_state.is_contiguous() and conv_state.is_contiguous()
             and ssm_state.dim() == 4 and ssm_state.shape[2] % 32 == 0
             and ssm_state.shape[3] % 32 == 0 and max(ssm_state.shape[2:]) <= MAX_DIM
-            and conv_state.shape[1] >= 1 and conv_state.shape[2] % 8 == 0
-            and library() is not None)
+            and conv_state.dim() == 3 and conv_state.shape[1] >= 1
+            and conv_state.shape[2] % 8 == 0 and library() is not None)
 
 
 def conv_decode_(conv_state: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,

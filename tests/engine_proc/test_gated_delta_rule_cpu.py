@@ -69,9 +69,8 @@ def test_conv_step_shifts_each_slot_in_place_as_the_torch_step():
 def test_other_dtypes_and_shapes_take_the_torch_form():
     ssm = torch.zeros(2, HV, DK, DV)
     conv = torch.zeros(2, 3, 48)
-    qkv = torch.zeros(1, 48)
-    assert kernel.applies(ssm, conv, qkv)
-    assert not kernel.applies(ssm.bfloat16(), conv, qkv)
-    assert not kernel.applies(ssm, conv.bfloat16(), qkv.bfloat16())
-    assert not kernel.applies(torch.zeros(2, HV, 24, DV), conv, qkv)  # dk % 32 != 0
-    assert not kernel.applies(ssm.transpose(2, 3), conv, qkv)
+    assert kernel.applies(ssm, conv)
+    assert not kernel.applies(ssm.bfloat16(), conv)
+    assert not kernel.applies(ssm, conv.bfloat16())
+    assert not kernel.applies(torch.zeros(2, HV, 24, DV), conv)  # dk % 32 != 0
+    assert not kernel.applies(ssm.transpose(2, 3), conv)
