@@ -187,13 +187,7 @@ class StructuredOutputs:
                 job.set_exception(error)
 
     def _compile(self, job: _Compile) -> Any:
-        compiler = self._send(job)
-        try:
-            header = compiler.readline(time.monotonic() + self.timeout_s, job.abandoned)
-        except GrammarError:  # it died before answering: a fresh one takes the job, once
-            self._stop_compiler()
-            compiler = self._send(job)
-            header = compiler.readline(time.monotonic() + self.timeout_s, job.abandoned)
+        compiler, header = self._send(job)
         if header is None:
             self._stop_compiler()  # the only way to stop a compile that runs on
             if job.abandoned.is_set():
@@ -206,21 +200,23 @@ class StructuredOutputs:
         data = compiler.stdout.read(answer["size"])
         return self._xgr.CompiledGrammar.deserialize_json(data.decode(), self._info)
 
-    def _send(self, job: _Compile) -> _CompilerProcess:
-        """The job written to the compiler, started first if there is none. One that died
-        since its last grammar (its pipe broken) is replaced once: the job is not at fault."""
-        for attempt in range(2):
-            compiler = self._start(job)
-            try:
-                compiler.process.stdin.write(
-                    json.dumps({"kind": job.kind, "spec": job.spec}).encode() + b"\n")
-                compiler.process.stdin.flush()
-                return compiler
-            except OSError:
-                self._stop_compiler()
-                if attempt:
-                    raise GrammarError("the grammar compiler exited") from None
-        raise AssertionError("unreachable")
+    def _send(self, job: _Compile, retry: bool = True
+              ) -> tuple[_CompilerProcess, bytes | None]:
+        """The compiler (started first if there is none) with the job written to it, and the
+        header of its answer: None past the time limit or once the request went away. A
+        compiler that turns out dead (its pipe broken, or gone before answering) is replaced
+        and the job sent again, once: the job is not at fault."""
+        compiler = self._start(job)
+        try:
+            compiler.process.stdin.write(
+                json.dumps({"kind": job.kind, "spec": job.spec}).encode() + b"\n")
+            compiler.process.stdin.flush()
+            return compiler, compiler.readline(time.monotonic() + self.timeout_s, job.abandoned)
+        except (OSError, GrammarError):
+            self._stop_compiler()
+            if not retry:
+                raise GrammarError("the grammar compiler exited") from None
+        return self._send(job, retry=False)
 
     def _start(self, job: _Compile) -> _CompilerProcess:
         if self._compiler is None:
