@@ -19,8 +19,10 @@ query_start_loc on CPU; on a device without the hint the batch stays padded.
 The prefill chunks after them run one SDPA call per sequence on CPU when the Context
 carries the host lengths (`q_lens_host`, `seq_lens_host`): padding 32 prompts of 18-95
 tokens to the longest costs 2.3x the per-sequence loop there (22 vs 9.5 ms a layer).
-Elsewhere they are padded to the longest query and key range and masked, one SDPA call
-per layer.
+On a GPU in fp16/bf16 they run as one varlen FlashAttention call per layer
+(layers/varlen_attention.py): no padding, no mask; a chunk after cached keys reads them
+through one gather index built per forward. Elsewhere they are padded to the longest query
+and key range and masked, one SDPA call per layer.
 
 On a GPU, decodes read the paged cache in place through the project's Triton kernel
 (layers/paged_decode_attention_triton.py): no gather, no mask, nothing sized by a host
@@ -49,6 +51,7 @@ from torch import nn
 
 from engine_proc.context import Context
 from engine_proc.layers import paged_attention_cpu
+from engine_proc.layers.varlen_attention import varlen_kernel, varlen_reference
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +71,7 @@ class _Part:
     """A run of sequences over tokens [start, end) of the batch, handled by one SDPA call
     (one per sequence for "seqs")."""
 
-    kind: str  # "decode" | "padded" | "causal" | "seqs"
+    kind: str  # "decode" | "padded" | "causal" | "seqs" | "varlen"
     start: int
     end: int
     block_tables: torch.Tensor | None = None  # [B, num_blocks] clamped to valid ids
@@ -81,6 +84,12 @@ class _Part:
     kernel: str = ""  # "triton": decodes through the paged Triton kernel (GPUs)
     spans: list[_Span] | None = None  # "seqs"
     span_rows: torch.Tensor | None = None  # int64 [3, S] first row, q_len, seq_len ("seqs")
+    # "varlen": query and key offsets (int32 [S + 1]), the longest key range, and the flat
+    # cache row of every key (None: the chunks' own new keys, nothing cached before them)
+    cu_q: torch.Tensor | None = None
+    cu_k: torch.Tensor | None = None
+    max_k_len: int = 0
+    key_index: torch.Tensor | None = None
 
 
 @dataclass
@@ -182,11 +191,40 @@ def _sequence_part(ctx: Context, first_seq: int, start: int, block_size: int) ->
     return part
 
 
+def _varlen_part(ctx: Context, first_seq: int, start: int, end: int, block_size: int) -> _Part:
+    """Sequences first_seq.. in one varlen call: queries packed as they are, keys the
+    chunks' own when none has cached keys, else each sequence's gathered from its blocks in
+    one index (built on the device from host lengths: no sync)."""
+    q_lens, seq_lens = ctx.q_lens_host[first_seq:], ctx.seq_lens_host[first_seq:]
+    qsl = ctx.query_start_loc[first_seq:]
+    cu_q = (qsl - qsl[0]).to(torch.int32)
+    part = _Part("varlen", start, end, num_seqs=len(q_lens), max_q_len=max(q_lens), cu_q=cu_q,
+                 cu_k=cu_q, max_k_len=max(q_lens))
+    if not block_size or q_lens == seq_lens:
+        return part
+    device = qsl.device
+    lens = ctx.seq_lens[first_seq:].long()
+    cu_k = torch.zeros(len(seq_lens) + 1, dtype=torch.int64, device=device)
+    torch.cumsum(lens, 0, out=cu_k[1:])
+    total = sum(seq_lens)
+    seq_of = torch.repeat_interleave(torch.arange(len(seq_lens), device=device), lens,
+                                     output_size=total)
+    pos = torch.arange(total, device=device) - cu_k[seq_of]
+    tables = ctx.block_tables[first_seq:].long()
+    part.key_index = tables[seq_of, pos // block_size] * block_size + pos % block_size
+    part.cu_k, part.max_k_len = cu_k.to(torch.int32), max(seq_lens)
+    return part
+
+
 def _prefill_part(
     ctx: Context, first_seq: int, start: int, end: int, block_size: int, dtype: torch.dtype
 ) -> _Part:
-    if ctx.q_lens_host is not None and ctx.query_start_loc.device.type == "cpu":
-        return _sequence_part(ctx, first_seq, start, block_size)
+    if ctx.q_lens_host is not None:
+        device = ctx.query_start_loc.device
+        if varlen_kernel(device, dtype, 8) is not None:
+            return _varlen_part(ctx, first_seq, start, end, block_size)
+        if device.type == "cpu":
+            return _sequence_part(ctx, first_seq, start, block_size)
     return _padded_part(ctx, first_seq, start, end, block_size, dtype)
 
 
@@ -296,6 +334,8 @@ class Attention(nn.Module):
     def _part(self, part: _Part, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if part.kind == "seqs":
             return self._sequences(part, q, k, v)
+        if part.kind == "varlen":
+            return self._varlen(part, q, k, v)
         q = q[part.start : part.end]
         if part.kind == "causal":
             k, v = k[part.start : part.end], v[part.start : part.end]
@@ -354,6 +394,20 @@ class Attention(nn.Module):
         )
         out = out.transpose(1, 2).reshape(rows, self.num_heads, self.head_dim)
         return out.index_select(0, part.token_slot)
+
+    def _varlen(self, part: _Part, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                ) -> torch.Tensor:
+        if part.key_index is None:
+            keys, values = k[part.start : part.end], v[part.start : part.end]
+        else:
+            rows = (-1, self.num_kv_heads, self.head_dim)
+            keys = self.k_cache.view(rows).index_select(0, part.key_index)
+            values = self.v_cache.view(rows).index_select(0, part.key_index)
+        # the reference (a loop that reads the offsets on the host) only for head sizes
+        # FlashAttention lacks
+        kernel = varlen_kernel(q.device, q.dtype, self.head_dim) or varlen_reference
+        return kernel(q[part.start : part.end], keys, values, part.cu_q, part.cu_k,
+                      part.max_q_len, part.max_k_len, scale=self.scale, causal=True)
 
     def _sequences(
         self, part: _Part, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

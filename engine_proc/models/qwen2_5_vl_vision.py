@@ -26,6 +26,7 @@ from engine_proc.models.vision_tower import (
     CACHED_LAYOUT_MAX_PATCHES,
     Grids,
     PatchMerger,
+    VarlenSpans,
     VisionAttention,
     VisionTower,
     patch_positions,
@@ -42,6 +43,7 @@ class _HostLayout:
     window_gather: np.ndarray  # [W, L] patch index at each padded window slot
     window_scatter: np.ndarray  # [N] flat padded slot of each patch
     window_valid: np.ndarray | None  # [W, L] bool; None when every window is full
+    window_lengths: np.ndarray  # [W] patches per window
     image_sizes: tuple[int, ...]  # patches per image (full-attention spans)
     max_side: int
 
@@ -53,6 +55,12 @@ class VisionLayout:
     window_scatter: torch.Tensor
     window_mask: torch.Tensor | None  # additive [W, 1, 1, L]
     image_sizes: tuple[int, ...]
+    # where a varlen kernel runs: the windows packed without padding (patches in window
+    # order, and back), and the images' spans for the full-attention blocks
+    window_spans: VarlenSpans | None = None
+    window_order: torch.Tensor | None = None
+    window_inverse: torch.Tensor | None = None
+    image_spans: VarlenSpans | None = None
 
 
 def _host_layout(grids: Grids, merge: int, window_units: int) -> _HostLayout:
@@ -101,6 +109,7 @@ def _host_layout(grids: Grids, merge: int, window_units: int) -> _HostLayout:
         window_gather=gather.reshape(counts.size, length),
         window_scatter=scatter.astype(np.int64),
         window_valid=valid,
+        window_lengths=counts * unit,
         image_sizes=tuple(sizes),
         max_side=int(max(max(h, w) for _, h, w in grids)),
     )
@@ -123,6 +132,10 @@ class WindowAttention(VisionAttention):
     def attend(self, qkv: torch.Tensor, layout: VisionLayout, windowed: bool) -> torch.Tensor:
         if not windowed:
             return super().attend(qkv, layout)
+        if layout.window_spans is not None:
+            packed = qkv.index_select(0, layout.window_order)
+            out = layout.window_spans.attend(packed, self.head_dim**-0.5)
+            return out.index_select(0, layout.window_inverse)
         num_windows, length = layout.window_gather.shape
         padded = qkv.index_select(0, layout.window_gather.view(-1)).view(
             num_windows, length, 3, self.num_heads, self.head_dim
@@ -170,10 +183,18 @@ class Qwen2_5_VisionTransformer(VisionTower):
             mask = torch.zeros(valid.shape, dtype=dtype, device=self.device)
             mask.masked_fill_(~valid, float("-inf"))
             mask = mask[:, None, None, :]
-        return VisionLayout(
+        layout = VisionLayout(
             pos_hw=flat[:n_pos].view(-1, 2),
             window_gather=flat[n_pos : n_pos + n_gather].view(host.window_gather.shape),
             window_scatter=flat[n_pos + n_gather :],
             window_mask=mask,
             image_sizes=host.image_sizes,
+            window_spans=self.varlen_spans(dtype, host.window_lengths),
         )
+        if layout.window_spans is not None:
+            # padded slots sort after no patch: the scatter order is the windows packed
+            order = np.argsort(host.window_scatter, kind="stable")
+            packed = to_device(np.concatenate([order, np.argsort(order)]), self.device)
+            layout.window_order, layout.window_inverse = packed.split(len(order))
+            layout.image_spans = self.varlen_spans(dtype, np.asarray(host.image_sizes))
+        return layout

@@ -30,10 +30,12 @@ from engine_proc.models.vision_tower import (
     VISION_ROPE_THETA,
     Grids,
     PatchEmbed,
+    VarlenSpans,
     VisionAttention,
     patch_positions,
     stage_bounds,
     to_device,
+    varlen_spans,
 )
 from shared.model_config import VisionConfig
 
@@ -102,9 +104,10 @@ class Qwen3VisionAttention(VisionAttention):
     """Full attention within each image (Qwen3-VL has no window blocks)."""
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sizes: tuple[int, ...]
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sizes: tuple[int, ...],
+        spans: VarlenSpans | None = None,
     ) -> torch.Tensor:
-        out = self._images(self.rotated_qkv(x, cos, sin), sizes)
+        out = self._images(self.rotated_qkv(x, cos, sin), sizes, spans)
         return self.proj(out.reshape(x.shape[0], -1))
 
 
@@ -117,9 +120,10 @@ class VisionBlock(nn.Module):
         self.mlp = VisionMLP(cfg)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sizes: tuple[int, ...]
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sizes: tuple[int, ...],
+        spans: VarlenSpans | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, sizes)
+        x = x + self.attn(self.norm1(x), cos, sin, sizes, spans)
         return x + self.mlp(self.norm2(x))
 
 
@@ -221,9 +225,10 @@ class Qwen3VisionTransformer(nn.Module):
         pos_hw = torch.cat([frame_positions(h, w, self.merge) for t, h, w in grids for _ in range(t)])
         cos, sin = self.rotary(to_device(pos_hw, self.device))
         sizes = tuple(t * h * w for t, h, w in grids)
+        spans = varlen_spans(self.device, x.dtype, self.cfg.head_dim, np.asarray(sizes))
         taken = []
         for i in range(first, end):
-            x = self.blocks[i](x, cos, sin, sizes)
+            x = self.blocks[i](x, cos, sin, sizes, spans)
             if i in self.deepstack_blocks:
                 taken.append(x)
         return x, taken

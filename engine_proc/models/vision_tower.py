@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_proc.layers.rotary_embedding import VisionRotaryEmbedding, apply_rotary_
+from engine_proc.layers.varlen_attention import VarlenFn, varlen_kernel
 from shared.model_config import VisionConfig
 
 VISION_ROPE_THETA = 10000.0
@@ -136,10 +137,14 @@ class VisionAttention(nn.Module):
 
     def attend(self, qkv: torch.Tensor, layout) -> torch.Tensor:
         """qkv [N, 3, heads, D] -> [N, heads, D], each image attending to itself."""
-        return self._images(qkv, layout.image_sizes)
+        return self._images(qkv, layout.image_sizes, layout.image_spans)
 
-    def _images(self, qkv: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
-        """Full attention within each image of `sizes` patches."""
+    def _images(self, qkv: torch.Tensor, sizes: tuple[int, ...],
+                spans: VarlenSpans | None = None) -> torch.Tensor:
+        """Full attention within each image of `sizes` patches (`spans`: their offsets, for
+        the varlen kernel where it runs)."""
+        if spans is not None:
+            return spans.attend(qkv, self.head_dim**-0.5)
         if len(set(sizes)) == 1:  # equal sizes (one image included): one batched call
             q, k, v = qkv.view(len(sizes), sizes[0], 3, self.num_heads, self.head_dim).permute(
                 2, 0, 3, 1, 4
@@ -171,11 +176,44 @@ class PatchMerger(nn.Module):
 
 
 @dataclass
+class VarlenSpans:
+    """Packed spans of patches (images, windows) for one varlen attention call per block:
+    no padding to the longest, no mask (on GPUs in fp16/bf16: layers/varlen_attention.py)."""
+
+    kernel: VarlenFn
+    cu: torch.Tensor  # int32 [spans + 1] on the device
+    max_len: int
+
+    @classmethod
+    def of(cls, kernel: VarlenFn | None, lengths: np.ndarray, device: torch.device
+           ) -> VarlenSpans | None:
+        if kernel is None:
+            return None
+        cu = np.zeros(len(lengths) + 1, dtype=np.int32)
+        np.cumsum(lengths, out=cu[1:])
+        return cls(kernel, to_device(cu, device), int(np.max(lengths)))
+
+    def attend(self, qkv: torch.Tensor, scale: float) -> torch.Tensor:
+        """qkv [N, 3, heads, D], spans back to back -> [N, heads, D]."""
+        q, k, v = qkv.unbind(1)
+        return self.kernel(q, k, v, self.cu, self.cu, self.max_len, self.max_len, scale=scale,
+                           causal=False)
+
+
+def varlen_spans(device: torch.device, dtype: torch.dtype, head_dim: int,
+                 lengths: np.ndarray) -> VarlenSpans | None:
+    """Spans of `lengths` patches for the varlen kernel, where one runs for this device,
+    dtype and head size (else None: the towers' SDPA paths)."""
+    return VarlenSpans.of(varlen_kernel(device, dtype, head_dim), lengths, device)
+
+
+@dataclass
 class FullLayout:
     """Layout of a tower without windows: patch positions and the images' spans."""
 
     pos_hw: torch.Tensor  # [N, 2] row/column of each patch
     image_sizes: tuple[int, ...]  # patches per image
+    image_spans: VarlenSpans | None = None  # where a varlen kernel runs
 
 
 @lru_cache(maxsize=32)
@@ -205,7 +243,12 @@ class VisionTower(nn.Module):
         else:
             pos = _cached_positions.__wrapped__(grids, self.merge)
         self.rotary.ensure_side(max(max(h, w) for _, h, w in grids))
-        return FullLayout(to_device(pos, self.device), tuple(t * h * w for t, h, w in grids))
+        sizes = tuple(t * h * w for t, h, w in grids)
+        return FullLayout(to_device(pos, self.device), sizes,
+                          self.varlen_spans(dtype, np.asarray(sizes)))
+
+    def varlen_spans(self, dtype: torch.dtype, lengths: np.ndarray) -> VarlenSpans | None:
+        return varlen_spans(self.device, dtype, self.cfg.head_dim, lengths)
 
     def block_kwargs(self, index: int) -> dict:
         return {}

@@ -145,3 +145,48 @@ def test_without_cache_each_sequence_sees_only_itself(host_lens):
         [_reference(*(t[a:b] for t in (q, k, v))) for a, b in ((0, 5), (5, 6), (6, 14))]
     )
     torch.testing.assert_close(out, expected, **_bound(max(lens)))
+
+
+@pytest.fixture
+def varlen_on_cpu(monkeypatch):
+    """Prefill chunks take the varlen part on the CPU, through the SDPA reference: the
+    part's offsets and key gather index are what a GPU's FlashAttention call would read."""
+    from engine_proc.layers import attention, varlen_attention
+    monkeypatch.setattr(attention, "varlen_kernel",
+                        lambda device, dtype, head_dim: varlen_attention.varlen_reference)
+
+
+def test_varlen_prefill_parts_match_reference(varlen_on_cpu):
+    """First chunks (their own keys), later chunks after cached keys (gathered through the
+    block tables, out of order), and decodes before them, in one packed call."""
+    torch.manual_seed(0)
+    cache = _Cache(Attention(HEADS, KV_HEADS, DIM))
+    for spans, key_index in (
+        ([("b", 6), ("c", 9), ("d", 2)], False),  # first chunks: their own keys
+        ([("d", 5), ("b", 3)], True),  # later chunks: keys gathered from the cache
+        ([("a", 11), ("c", 4)], True),  # a first chunk beside a later one
+        ([("b", 1), ("c", 1), ("d", 7), ("e", 3)], True),  # decodes, then chunks
+    ):
+        num_decodes = sum(q == 1 for _, q in spans)
+        out, expected, meta = cache.step(spans, num_decodes, host_lens=True)
+        torch.testing.assert_close(out, expected, **_bound(cache.max_seq_len()))
+        varlen = meta.parts[-1]
+        assert varlen.kind == "varlen" and (varlen.key_index is not None) == key_index
+        assert [p.kind for p in meta.parts[:-1]] == (["decode"] if num_decodes else [])
+
+
+def test_varlen_without_cache_each_sequence_sees_only_itself(varlen_on_cpu):
+    torch.manual_seed(0)
+    attn = Attention(HEADS, KV_HEADS, DIM)
+    lens = [5, 1, 8]
+    q = torch.randn(sum(lens), HEADS, DIM)
+    k, v = torch.randn(sum(lens), KV_HEADS, DIM), torch.randn(sum(lens), KV_HEADS, DIM)
+    ctx = Context(torch.tensor([0, 5, 6, 14], dtype=torch.int32),
+                  torch.tensor(lens, dtype=torch.int32), torch.zeros(0, dtype=torch.int64),
+                  torch.zeros(3, 0, dtype=torch.int32), max_q_len=8, max_seq_len=8)
+    ctx.q_lens_host = ctx.seq_lens_host = lens
+    meta = build_attention_metadata(ctx, q.shape[0], 0, q.dtype)
+    assert [p.kind for p in meta.parts] == ["varlen"]
+    expected = torch.cat(
+        [_reference(*(t[a:b] for t in (q, k, v))) for a, b in ((0, 5), (5, 6), (6, 14))])
+    torch.testing.assert_close(attn(q, k, v, meta), expected, **_bound(max(lens)))

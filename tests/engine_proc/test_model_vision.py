@@ -49,6 +49,56 @@ def test_vision_tower_matches_hf(vl, grids):
     torch.testing.assert_close(torch.cat(split), ours, **vl.vision_tolerance(ours, grids))
 
 
+@pytest.mark.parametrize("grids", [[(5, 7)], [(4, 6), (7, 3), (2, 2)]])
+def test_vision_tower_through_varlen_spans_matches_hf(vl, grids, monkeypatch):
+    """Images (and Qwen2.5-VL's windows, edge windows short) packed back to back for one
+    varlen call per block, as on a GPU, here through the SDPA reference: the spans' offsets
+    and the windows' order and its inverse give transformers' tower."""
+    from engine_proc.layers import varlen_attention
+    from engine_proc.models import vision_tower
+
+    calls = []
+
+    def reference(*args, **kwargs):
+        calls.append(args[3].tolist())
+        return varlen_attention.varlen_reference(*args, **kwargs)
+
+    monkeypatch.setattr(vision_tower, "varlen_kernel", lambda device, dtype, head_dim: reference)
+    images, patches, grids = _patches(vl, grids)
+    with torch.no_grad():
+        expected = vl.hf.model.visual(patches, grid_thw=torch.tensor(grids)).pooler_output
+    ours = vl.model.visual(patches, tuple(grids))
+    torch.testing.assert_close(ours, expected, **vl.vision_tolerance(expected, grids))
+    image_spans = [0, *np.cumsum([t * h * w for t, h, w in grids]).tolist()]
+    assert len(calls) == len(vl.model.visual.blocks) and image_spans in calls
+    if hasattr(vl.model.visual, "window_units"):  # windowed blocks took the windows' spans
+        assert any(c != image_spans for c in calls)
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_tower_through_flash_varlen_follows_its_sdpa_path(vl, monkeypatch):
+    """On a GPU in bf16 the images and windows go through FlashAttention's varlen call; the
+    same tower through SDPA (padded windows, masks) gives the same embeddings within bf16's
+    rounding (each path rounds every op once: ~20 a block)."""
+    from engine_proc.layers.varlen_attention import varlen_kernel
+    from engine_proc.models import vision_tower
+    from engine_proc.models.registry import model_class
+    from tests.tolerance import rms, tolerance
+
+    device = torch.device("cuda")
+    assert varlen_kernel(device, torch.bfloat16, vl.cfg.vision.head_dim) is not None
+    model = model_class(vl.cfg)(vl.cfg, device, torch.bfloat16)
+    model.load_weights(vl.path)
+    _, patches, grids = _patches(vl, [(5, 7), (4, 6), (2, 2)])
+    patches = patches.to(device, torch.bfloat16)
+    with torch.no_grad():
+        flash = model.visual(patches, tuple(grids)).float()
+        monkeypatch.setattr(vision_tower, "varlen_kernel", lambda device, dtype, head_dim: None)
+        sdpa = model.visual(patches, tuple(grids)).float()
+    bound = tolerance(torch.bfloat16, 1, depth=20 * (vl.cfg.vision.depth + 1), scale=rms(sdpa))
+    torch.testing.assert_close(flash, sdpa, **bound)
+
+
 def test_encode_images_embeds_large_images_piece_by_piece(vl, monkeypatch):
     import engine_proc.models.qwen_vl as qwen
 

@@ -1,0 +1,77 @@
+"""Attention over a packed batch of sequences of different lengths, without padding.
+
+One entry, `varlen_kernel(device, dtype, head_dim)`, gives the function to call for a
+device: torch's `torch.nn.attention.varlen.varlen_attn` (FlashAttention-2, CUDA only, fp16 or
+bf16, head sizes up to 256 in multiples of 8) or None where it cannot run, so callers keep
+their own path there. `varlen_reference` is the same op in plain SDPA, one call per
+sequence: the tests' reference and what the CPU tests run the packed layouts through.
+
+Both take (the subset torch 2.11's varlen_attn has; 2.13 adds paged keys and GQA flags):
+    q [Tq, Hq, D], k/v [Tk, Hkv, D] (Hkv dividing Hq), cu_q / cu_k int32 [N + 1] on the
+    device, max_q / max_k host ints, scale, causal -> [Tq, Hq, D].
+Causal masks are aligned bottom-right, as FlashAttention-2 does: query i of a sequence with
+q_len queries and k_len keys sees keys 0 .. k_len - q_len + i (a chunk after cached keys).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+VarlenFn = Callable[..., torch.Tensor]
+
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_MAX_HEAD_DIM = 256
+
+
+def varlen_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> VarlenFn | None:
+    """The fast varlen attention for tensors of this device, dtype and head size, or None."""
+    if (device.type != "cuda" or dtype not in FLASH_DTYPES or head_dim % 8
+            or head_dim > FLASH_MAX_HEAD_DIM):
+        return None
+    return _flash()
+
+
+@functools.cache
+def _flash() -> VarlenFn | None:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch before 2.10
+        return None
+
+    def flash(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, causal):
+        return varlen_attn(_last_dim_dense(q), _last_dim_dense(k), _last_dim_dense(v),
+                           cu_q, cu_k, max_q, max_k, scale=scale,
+                           window_size=(-1, 0) if causal else (-1, -1))
+
+    return flash
+
+
+def _last_dim_dense(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+                     cu_k: torch.Tensor, max_q: int, max_k: int, *, scale: float,
+                     causal: bool) -> torch.Tensor:
+    """The op through SDPA, sequence by sequence (reads cu_q / cu_k on the host)."""
+    out = q.new_empty(q.shape)
+    bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(bounds_q) - 1):
+        q0, q1, k0, k1 = bounds_q[i], bounds_q[i + 1], bounds_k[i], bounds_k[i + 1]
+        if q1 == q0:
+            continue
+        mask = None
+        if causal:
+            keys = torch.arange(k1 - k0, device=q.device)
+            last = torch.arange(q1 - q0, device=q.device) + (k1 - k0) - (q1 - q0)
+            mask = keys <= last[:, None]
+        o = F.scaled_dot_product_attention(
+            q[q0:q1].transpose(0, 1).unsqueeze(0), k[k0:k1].transpose(0, 1).unsqueeze(0),
+            v[k0:k1].transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1])
+        out[q0:q1] = o[0].transpose(0, 1)
+    return out
