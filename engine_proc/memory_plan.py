@@ -136,6 +136,9 @@ def engine_plan(process: str, config: EngineConfig, model: ModelConfig, sizes: E
                        "largest image's vision tower, from the shapes"),
             MemoryPart("kernel caches", KERNEL_CACHES_BYTES, "oneDNN, 64 entries (measured)"),
         ]
+    else:
+        parts.append(MemoryPart("pinned staging", pinned_staging_bytes(config, model, sizes),
+                                "a step's inputs at their largest, x 2 (arena growth)"))
     parts += [
         MemoryPart("pixels in flight", config.mm_inflight_budget, "the API's --mm-inflight-budget"),
         MemoryPart("admitted requests", sizes.max_requests * sizes.max_model_len * TOKEN_ID_BYTES,
@@ -167,6 +170,26 @@ def decoder_workspace_bytes(config: EngineConfig, model: ModelConfig, sizes: Eng
     gathered_kv = sizes.max_num_seqs * sizes.max_model_len * 2 * kv * b
     logits = (3 * sizes.max_num_seqs + 2 * 128) * text.vocab_size * 4
     return rows * per_row * b + gathered_kv + logits
+
+
+def pinned_staging_bytes(config: EngineConfig, model: ModelConfig, sizes: EngineSizes) -> int:
+    """On CUDA, the pinned host arena a step's inputs cross through (engine_proc/step_staging.py)
+    at the largest step, and the decode graphs' staging rows. The arena holds every array of
+    one step: per token its id, three positions, KV slot and a sampled or prompt row (8 B
+    each); per sequence its offsets, length, state slot and block table; the sampling
+    settings; penalties' output and prompt ids padded to the longest (max_model_len each); a
+    grammar bitmask (a bit per vocabulary entry). It grows to the power of two above what a
+    step asked and keeps the old one while the step's views live: twice that at most."""
+    tokens, seqs = config.max_num_batched_tokens, sizes.max_num_seqs
+    blocks = -(-sizes.max_model_len // config.block_size)
+    step = 6 * 8 * tokens + seqs * (4 + 4 + 8 + 4 * blocks)
+    sampling = seqs * (4 + 4 + 8 + 1 + 8 + 3 * 4 + 8)
+    penalties = 2 * 8 * seqs * sizes.max_model_len
+    grammar = 4 * seqs * -(-model.text.vocab_size // 32)
+    arena = 1 << (step + sampling + penalties + grammar + 32 * 64).bit_length()
+    # graph staging: a row per sequence of the largest capture size (at most max_num_seqs)
+    graphs = 0 if config.enforce_eager else seqs * (8 + 24 + 4 + 8 + 8 + 4 * blocks)
+    return 2 * arena + graphs
 
 
 def vision_workspace_bytes(model: ModelConfig, sizes: EngineSizes) -> int:

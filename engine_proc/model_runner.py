@@ -41,6 +41,7 @@ from engine_proc.step_inputs import (
     forward_decode_buffers,
     forward_step,
 )
+from engine_proc.step_staging import StepStaging
 from engine_proc.tensor_parallel import TensorParallelWorkers, rank_device
 from shared.messages import TokenLogprobs
 from shared.model_config import ModelConfig, tensor_parallel_problem
@@ -184,6 +185,8 @@ class ModelRunner:
         if self.workers is not None and not self.on_cuda:
             self.vision_threads = torch.get_num_threads() * tensor_parallel_size
         self.sampler = Sampler()
+        # a step's small arrays reach the GPU through one pinned arena (not a block each)
+        self.staging = StepStaging(self.device) if self.on_cuda else None
         self.structured = None  # StructuredOutputs, set by the engine
         if not self.on_cuda and self.dtype == torch.float32:
             paged_attention_cpu.library()  # built (or found) now, not in the first step
@@ -375,6 +378,8 @@ class ModelRunner:
         """Run one step; returns the sampled token of every sequence whose scheduled range
         reaches its last token, in batch order, and when some of them asked for them, each
         one's log-probabilities (None for those that did not ask)."""
+        if self.staging is not None:
+            self.staging.reset()  # the previous step's device inputs are dead by now
         if batch.encoder_stage is not None:
             with self._vision_threads():
                 self._encode_stage(batch.encoder_stage)
@@ -587,7 +592,7 @@ class ModelRunner:
             return None
         rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
         bitmask = self.structured.bitmask([seqs[i].grammar for i in rows], rows, len(seqs),
-                                          self.device)
+                                          self._to_device)
         return GrammarMask(self.structured.apply, bitmask, rows)
 
     def _generator(self, seq: Sequence) -> torch.Generator:
@@ -713,7 +718,7 @@ class ModelRunner:
         return host.to(self.device) if self.on_cuda else host
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
-        if self.on_cuda:
-            return tensor.pin_memory().to(self.device, non_blocking=True)
-        return tensor
+        """A step's array on the device (on a GPU: valid for this step, see StepStaging)."""
+        if self.staging is not None:
+            return self.staging(array)
+        return torch.from_numpy(np.ascontiguousarray(array))

@@ -30,9 +30,11 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine_proc.grammar_worker import load_xgrammar
@@ -147,12 +149,13 @@ class StructuredOutputs:
         return self._xgr.GrammarMatcher(compiled)
 
     def bitmask(self, matchers: list[Any], rows: list[int], num_rows: int,
-                device: torch.device) -> torch.Tensor:
+                to_device: Callable[[np.ndarray], torch.Tensor]) -> torch.Tensor:
         """The allowed-token bitmask [num_rows, words] of a step, filled at `rows` (the
-        other rows allow everything), on `device`."""
+        other rows allow everything), through the runner's `to_device` (on a GPU its pinned
+        staging: a copy from pageable memory would wait for the forward in flight)."""
         bitmask = self._xgr.allocate_token_bitmask(num_rows, self.vocab_size)
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
-        return bitmask.to(device, non_blocking=True) if device.type != "cpu" else bitmask
+        return to_device(bitmask.numpy())
 
     def apply(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         self._xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size,

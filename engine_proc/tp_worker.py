@@ -73,6 +73,8 @@ def run_step(runner, inputs, values) -> None:
 
     pieces = [] if values is None else split_image_rows(inputs, values)
     del values
+    if runner.staging is not None:
+        runner.staging.reset()
     forward_step(runner.model, inputs, pieces, runner._to_device, runner.state_cache)
 
 

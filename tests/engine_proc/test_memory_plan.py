@@ -54,3 +54,33 @@ def test_a_cuda_engine_keeps_device_memory_out_of_its_host_plan(tiny_model_path)
                         "vision workspace"):
         assert device_part not in got
     assert {"pixels in flight", "admitted requests", "wire buffers"} <= set(got)
+    # the host side of the device's inputs: the pinned arena a step's arrays cross through
+    assert got["pinned staging"] > 0
+
+
+def test_pinned_staging_holds_the_largest_step(tiny_model_path):
+    """The arena part covers a StepStaging after the largest step's arrays: a full token
+    budget of rows, every sequence with a max_model_len block table and penalty ids."""
+    import numpy as np
+    import torch
+
+    from engine_proc.step_staging import StepStaging
+
+    model = load_model_config(tiny_model_path)
+    config = EngineConfig(max_num_batched_tokens=4096)
+    sizes = dataclasses.replace(SIZES, on_cuda=True, max_num_seqs=32, max_model_len=4096)
+    planned = parts(engine_plan("engine 0", config, model, sizes, 1500 * MiB))["pinned staging"]
+    t, s, blocks = 4096, 32, 4096 // config.block_size
+    staging = StepStaging(torch.device("cpu"), capacity=1024)
+    step = [np.zeros(t, np.int64), np.zeros((3, t), np.int64), np.zeros(s + 1, np.int32),
+            np.zeros(s, np.int32), np.zeros(t, np.int64), np.zeros((s, blocks), np.int32),
+            np.zeros(t, np.int64), np.zeros(s, np.int64), np.zeros(s, np.float32),
+            np.zeros(s, np.float32), np.zeros(s, np.int64), np.zeros(s, bool),
+            np.zeros(s, np.int64), np.zeros((s, 4096), np.int64), np.zeros((s, 4096), np.int64),
+            np.zeros((s, -(-model.text.vocab_size // 32)), np.int32)]
+    for array in step:
+        staging(array)
+    assert 2 * staging.capacity <= planned
+    bigger = parts(engine_plan("engine 0", dataclasses.replace(config, max_num_batched_tokens=65536),
+                               model, sizes, 1500 * MiB))["pinned staging"]
+    assert bigger > planned
