@@ -153,8 +153,11 @@ class StaticDecodeInputs:
 
     The staging buffers are reused by the next step: the runner's one sync per step (the
     sampled ids, after the forward the copies feed) keeps a copy from being overwritten
-    while in flight. Block table columns past a step's width keep earlier steps' entries:
-    the paged kernels never read past a sequence's length."""
+    while in flight. Block tables cross at the step's width only (staged packed, then
+    spread into the buffer's rows on the device): the buffer is max_model_len wide (16,384
+    columns for a 262,144-token model), a step's tables mostly a few. Columns past a step's
+    width keep earlier steps' entries: the paged kernels never read past a sequence's
+    length."""
 
     def __init__(self, max_size: int, max_num_blocks: int, padding: DecodePadding, *,
                  state_slots: bool, device: torch.device) -> None:
@@ -166,11 +169,17 @@ class StaticDecodeInputs:
         self.device = torch.device(device)
         pin = self.device.type == "cuda"
         self.buffers = DecodeBuffers.allocate(max_size, max_num_blocks, state_slots, self.device)
-        self.staging = DecodeBuffers.allocate(max_size, max_num_blocks, state_slots,
-                                              torch.device("cpu"), pin)
-        self._host = {name: t.numpy() for name, t in self.staging.step_tensors().items()}
+        # the tables are staged packed (_tables_host), not in rows max_num_blocks wide
+        self.staging = DecodeBuffers.allocate(max_size, 0, state_slots, torch.device("cpu"), pin)
+        self._host = {name: t.numpy() for name, t in self.staging.step_tensors().items()
+                      if name != "block_tables"}
+        self._tables_host = torch.zeros(max_size * max_num_blocks, dtype=torch.int32,
+                                        pin_memory=pin)
+        self._tables_packed = torch.zeros(max_size * max_num_blocks, dtype=torch.int32,
+                                          device=self.device)
         self._pad_rows(0, max_size)
-        self._copy(max_size)
+        self._copy(max_size, self._write_tables(np.zeros((0, max_num_blocks), np.int32),
+                                                max_size))
 
     def load(self, inputs: DecodeStepInputs, size: int) -> DecodeBuffers:
         """Copy a step of n <= size sequences into the buffers, rows n..size as padding;
@@ -189,18 +198,27 @@ class StaticDecodeInputs:
         host["positions"][:, :n] = inputs.positions
         host["seq_lens"][:n] = inputs.seq_lens
         host["slot_mapping"][:n] = inputs.slot_mapping
-        host["block_tables"][:n, :width] = inputs.block_tables
         if inputs.state_slots is not None:
             host["state_slots"][:n] = inputs.state_slots
         self._pad_rows(n, size)
-        self._copy(size)
+        self._copy(size, self._write_tables(inputs.block_tables, size))
         return self.buffers.rows(size)
 
     def padding_only(self, size: int) -> DecodeBuffers:
         """The first `size` rows, all padding (what a graph is captured on)."""
         self._pad_rows(0, size)
-        self._copy(size)
+        self._copy(size, self._write_tables(np.zeros((0, 1), np.int32), size))
         return self.buffers.rows(size)
+
+    def _write_tables(self, tables: np.ndarray, size: int) -> torch.Tensor:
+        """The step's tables [n, w] and padding rows (the padding block first) packed
+        [size, w] into the host staging; that staging's view."""
+        n, width = tables.shape
+        packed = self._tables_host[: size * width].view(size, width)
+        rows = packed.numpy()
+        rows[:n] = tables
+        rows[n:] = self.padding.block
+        return packed
 
     def _pad_rows(self, start: int, end: int) -> None:
         host, pad = self._host, self.padding
@@ -208,18 +226,22 @@ class StaticDecodeInputs:
         host["positions"][:, start:end] = 0
         host["seq_lens"][start:end] = 1
         host["slot_mapping"][start:end] = pad.slot
-        host["block_tables"][start:end, 0] = pad.block
         if "state_slots" in host:
             host["state_slots"][start:end] = pad.state_slot
 
-    def _copy(self, size: int) -> None:
+    def _copy(self, size: int, tables: torch.Tensor) -> None:
         """Each buffer's first `size` rows in one contiguous copy. positions [3, max_size] is
         copied whole: its first `size` columns are not contiguous, and torch would stage such a
-        copy through pageable memory, which waits for the device."""
+        copy through pageable memory, which waits for the device. The packed tables [size, w]
+        cross contiguous too, then fill the buffer's first w columns on the device."""
         staging = self.staging.rows(size).step_tensors()
         for name, dst in self.buffers.rows(size).step_tensors().items():
             if name == "positions":
                 self.buffers.positions.copy_(self.staging.positions, non_blocking=True)
+            elif name == "block_tables":
+                packed = self._tables_packed[: tables.numel()]
+                packed.copy_(tables.view(-1), non_blocking=True)
+                dst[:, : tables.shape[1]].copy_(packed.view(tables.shape))
             else:
                 dst.copy_(staging[name], non_blocking=True)
 
