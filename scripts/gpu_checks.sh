@@ -8,14 +8,16 @@
 # Steps (default: all, in this order): env tests e2e moe bench bench3b soak; and, asked for
 # by name, kernels (the Triton paged decode kernel against the eager path, one layer) and
 # bench35 (the qwen3.5-0.8b preset's rows: text c=1/32/128, 448px c=32) and graphs (the
-# 3b and qwen3.5 text rows at c=1 and c=32 with --no-enforce-eager) and soak35 (the
-# seeds' workload: qwen3.5-0.8b, 1024px, c=128, 10% disconnects).
+# 3b and qwen3.5 text rows at c=1 and c=32, --no-enforce-eager beside --enforce-eager in
+# one table with ratios; GRAPH_MODELS picks the presets) and soak35 (the seeds' workload:
+# qwen3.5-0.8b, 1024px, c=128, 10% disconnects).
 # Everything is logged to $OUT/log.txt (bench tables too); the soak's CSV, PNG and summary
 # land in $OUT/soak.
 # Without flatserve installed (a bare GPU machine) it runs from the checkout: wheels in
 # ./.whl (if present: scripts/gpu_wheels.sh fills it; carry it) are installed into /tmp/site
 # first. Environment knobs:
-# SOAK_REQUESTS (2000), SOAK_CONCURRENCY (128), SOAK_SIZE (2048), BENCH_REQUESTS (200).
+# SOAK_REQUESTS (2000), SOAK_CONCURRENCY (128), SOAK_SIZE (2048), BENCH_REQUESTS (200),
+# GRAPH_MODELS ("3b qwen3.5-0.8b"), GRAPHS_LIMIT (420 s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu}
@@ -133,14 +135,16 @@ run_soak35() {  # the seeds' workload: Qwen3.5-0.8B, 1024px, c=128, 10% disconne
         -- --model "$(model qwen3.5-0.8b)" --max-num-seqs 128
 }
 
-run_graphs() {  # decode steps as CUDA graphs: the tokens test ran in `tests`; these rows
-    local m c
-    for m in "$(model 3b)" "$(model qwen3.5-0.8b)"; do
+run_graphs() {  # decode steps as CUDA graphs beside eager (--baseline-args), same sitting,
+    # ratios printed; the graphs-vs-eager tokens test ran in `tests`
+    local p m c
+    for p in ${GRAPH_MODELS:-3b qwen3.5-0.8b}; do
+        m=$(model "$p")
         for c in 1 32; do
-            busy "graphs_$(basename "$m")_c$c" $FS bench --workload text --prompt-len 256 \
-                --output-len 128 --ignore-eos --concurrency "$c" \
-                --num-requests $(( c < 32 ? 8 : 64 )) --no-progress -- --model "$m" \
-                --no-enforce-eager
+            $FS bench --workload text --prompt-len 256 --output-len 128 --ignore-eos \
+                --concurrency "$c" --num-requests $(( c < 32 ? 6 : 64 )) --no-progress \
+                --label "$p graphs c=$c" --baseline-args=--enforce-eager \
+                -- --model "$m" --no-enforce-eager
         done
     done
 }
@@ -164,7 +168,7 @@ steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(env tests e2e moe bench bench3b soak)
 declare -A LIMIT=([env]=60 [tests]=180 [e2e]=300 [moe]=60 [bench]=80 [bench3b]=200
                   [soak]=260 [kernels]=90 [bench35]=240
-                  [graphs]=240 [soak35]=400)
+                  [graphs]=${GRAPHS_LIMIT:-420} [soak35]=400)
 for s in "${steps[@]}"; do
     step "$s" "${LIMIT[$s]}" "run_$s"
 done
