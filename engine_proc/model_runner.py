@@ -414,16 +414,24 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, sample_seqs: list[Sequence]
                 ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
         token_ids, logprobs = self.sampler(logits, self.prepare_sampling(sample_seqs))
-        token_ids = token_ids.tolist()  # the one host sync of a step without log-probs
         if logprobs is None:
-            return token_ids, None
-        per_row: list[TokenLogprobs | None] = [None] * len(token_ids)
-        rows = logprobs.rows.tolist()
-        for row, lp, ids, values in zip(rows, logprobs.sampled.tolist(),
-                                        logprobs.top_ids.tolist(),
-                                        logprobs.top_values.tolist(), strict=True):
-            k = sample_seqs[row].sampling.logprobs
-            per_row[row] = [lp, ids[:k], values[:k]]
+            return token_ids.tolist(), None  # the step's one host sync
+        # still one sync: everything in one float64 copy (exact for token ids < 2^53 and for
+        # float32 values, which .tolist() would widen to the same Python floats)
+        num, (num_rows, k) = len(token_ids), logprobs.top_ids.shape
+        flat = torch.cat([token_ids.double(), logprobs.rows.double(), logprobs.sampled.double(),
+                          logprobs.top_ids.double().view(-1),
+                          logprobs.top_values.double().view(-1)]).tolist()
+        token_ids = [int(t) for t in flat[:num]]
+        rows = flat[num : num + num_rows]
+        sampled = flat[num + num_rows : num + 2 * num_rows]
+        top = num + 2 * num_rows
+        per_row: list[TokenLogprobs | None] = [None] * num
+        for i, (row, lp) in enumerate(zip(rows, sampled, strict=True)):
+            want = sample_seqs[int(row)].sampling.logprobs
+            ids = flat[top + i * k : top + i * k + want]
+            values = flat[top + (num_rows + i) * k : top + (num_rows + i) * k + want]
+            per_row[int(row)] = [lp, [int(t) for t in ids], values]
         return token_ids, per_row
 
     def _forward(self, inputs: StepInputs, pieces: ImagePieces) -> torch.Tensor | None:
