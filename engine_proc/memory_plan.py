@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from engine_proc.step_staging import NUM_ARENAS
 from rpc.engine_server import MAX_PENDING_PER_PEER
 from shared.engine_config import EngineConfig
 from shared.memory import ENGINE_MALLOC_ENV
@@ -138,7 +139,7 @@ def engine_plan(process: str, config: EngineConfig, model: ModelConfig, sizes: E
         ]
     else:
         parts.append(MemoryPart("pinned staging", pinned_staging_bytes(config, model, sizes),
-                                "a step's inputs at their largest, x 2 (arena growth)"))
+                                "2 arenas x a step's inputs at their largest, x 2 (growth)"))
     parts += [
         MemoryPart("pixels in flight", config.mm_inflight_budget, "the API's --mm-inflight-budget"),
         MemoryPart("admitted requests", sizes.max_requests * sizes.max_model_len * TOKEN_ID_BYTES,
@@ -178,8 +179,9 @@ def pinned_staging_bytes(config: EngineConfig, model: ModelConfig, sizes: Engine
     one step: per token its id, three positions, KV slot and a sampled or prompt row (8 B
     each); per sequence its offsets, length, state slot and block table; the sampling
     settings; penalties' output and prompt ids padded to the longest (max_model_len each); a
-    grammar bitmask (a bit per vocabulary entry). It grows to the power of two above what a
-    step asked and keeps the old one while the step's views live: twice that at most."""
+    grammar bitmask (a bit per vocabulary entry). Two such arenas take turns; each grows to
+    the power of two above what a step asked, and torch's pinned cache keeps the blocks it
+    outgrew (as much again at most)."""
     tokens, seqs = config.max_num_batched_tokens, sizes.max_num_seqs
     blocks = -(-sizes.max_model_len // config.block_size)
     step = 6 * 8 * tokens + seqs * (4 + 4 + 8 + 4 * blocks)
@@ -189,7 +191,7 @@ def pinned_staging_bytes(config: EngineConfig, model: ModelConfig, sizes: Engine
     arena = 1 << (step + sampling + penalties + grammar + 32 * 64).bit_length()
     # graph staging: a row per sequence of the largest capture size (at most max_num_seqs)
     graphs = 0 if config.enforce_eager else seqs * (8 + 24 + 4 + 8 + 8 + 4 * blocks)
-    return 2 * arena + graphs
+    return NUM_ARENAS * 2 * arena + graphs
 
 
 def vision_workspace_bytes(model: ModelConfig, sizes: EngineSizes) -> int:

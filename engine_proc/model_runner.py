@@ -141,6 +141,10 @@ class ModelRunner:
         warn_if_emulated(self.device, self.dtype)
         self.block_size = block_size
         self.on_cuda = self.device.type == "cuda"
+        if self.on_cuda and self.device.index is not None:
+            # kernels that launch on the current device (Triton's) and the streams copies and
+            # events use must be this engine's card, not cuda:0 (data-parallel engines)
+            torch.cuda.set_device(self.device)
         self.workers: TensorParallelWorkers | None = None
         if tensor_parallel_size > 1:
             problem = tensor_parallel_problem(config, tensor_parallel_size)

@@ -6,7 +6,8 @@ bf16, head sizes up to 256 in multiples of 8) or None where it cannot run, so ca
 their own path there. `varlen_reference` is the same op in plain SDPA, one call per
 sequence: the tests' reference and what the CPU tests run the packed layouts through.
 
-Both take (the subset torch 2.11's varlen_attn has; 2.13 adds paged keys and GQA flags):
+Both take (what torch 2.11's varlen_attn has; 2.12 and later want `enable_gqa` for fewer
+key heads, which `_flash` passes where the signature has it; 2.10's form is not used):
     q [Tq, Hq, D], k/v [Tk, Hkv, D] (Hkv dividing Hq), cu_q / cu_k int32 [N + 1] on the
     device, max_q / max_k host ints, scale, causal -> [Tq, Hq, D].
 Causal masks are aligned bottom-right, as FlashAttention-2 does: query i of a sequence with
@@ -16,6 +17,7 @@ q_len queries and k_len keys sees keys 0 .. k_len - q_len + i (a chunk after cac
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -41,11 +43,17 @@ def _flash() -> VarlenFn | None:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:  # torch before 2.10
         return None
+    params = inspect.signature(varlen_attn).parameters
+    if "scale" not in params or "window_size" not in params:
+        return None  # torch 2.10's first form: neither a scale nor causal chunks after keys
+    # torch 2.12 and later check head counts unless told GQA is meant; 2.11 passes them on
+    gqa = "enable_gqa" in params
 
     def flash(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, causal):
+        kwargs = {"enable_gqa": q.shape[1] != k.shape[1]} if gqa else {}
         return varlen_attn(_last_dim_dense(q), _last_dim_dense(k), _last_dim_dense(v),
                            cu_q, cu_k, max_q, max_k, scale=scale,
-                           window_size=(-1, 0) if causal else (-1, -1))
+                           window_size=(-1, 0) if causal else (-1, -1), **kwargs)
 
     return flash
 

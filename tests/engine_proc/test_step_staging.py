@@ -1,5 +1,5 @@
-"""A step's arrays through one staging arena: every upload of a step keeps its values until
-the next step (growth included), and the arena stays the size of the largest step."""
+"""A step's arrays through the staging arenas: every upload of a step keeps its values
+through the next step (growth included), and the arenas stay the size of the largest step."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_proc.step_staging import ALIGN, StepStaging
+from engine_proc.step_staging import ALIGN, NUM_ARENAS, StepStaging
 
 DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -25,22 +25,24 @@ def _step_arrays(rng: np.random.Generator, scale: int) -> list[np.ndarray]:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_every_upload_of_a_step_keeps_its_values_until_the_next_step(device):
+def test_every_upload_of_a_step_keeps_its_values_through_the_next_step(device):
     rng = np.random.default_rng(0)
     staging = StepStaging(torch.device(device), capacity=256)
-    for scale in (3, 50, 2000, 40):  # 2000 grows the arena in the middle of a step
+    previous = []
+    for scale in (3, 50, 2000, 40, 7):  # 2000 grows an arena in the middle of a step
         staging.reset()
         arrays = _step_arrays(rng, scale)
         tensors = [staging(a) for a in arrays]
-        for array, tensor in zip(arrays, tensors, strict=True):
+        for array, tensor in [*previous, *zip(arrays, tensors, strict=True)]:
             assert tensor.device.type == device
             assert tensor.dtype == torch.from_numpy(np.ascontiguousarray(array)).dtype
             np.testing.assert_array_equal(tensor.cpu().numpy(), array)
+        previous = list(zip(arrays, tensors, strict=True))
 
 
 def test_the_arena_is_reused_from_the_start_each_step():
     staging = StepStaging(torch.device("cpu"), capacity=256)
-    big = np.arange(300, dtype=np.int64)  # 2,400 bytes: grows the arena to 4,096
+    big = np.arange(300, dtype=np.int64)  # 2,400 bytes: grows each arena to 4,096
     arenas = set()
     for _ in range(5):
         staging.reset()
@@ -48,7 +50,7 @@ def test_the_arena_is_reused_from_the_start_each_step():
         staging(np.arange(10, dtype=np.int32))
         assert first.storage_offset() == 0 and staging.capacity == 4096
         arenas.add(first.untyped_storage().data_ptr())
-    assert len(arenas) == 1  # grown once, then the same arena every step
+    assert len(arenas) == NUM_ARENAS  # each grown once, then taking turns
     staging.reset()
     a, b = staging(np.ones(1, dtype=np.int8)), staging(np.ones(1, dtype=np.float64))
     offset = b.storage_offset() * b.element_size() - a.storage_offset() * a.element_size()
