@@ -1,6 +1,13 @@
-"""RMSNorm, optionally fused with the residual add that precedes it."""
+"""RMSNorm, optionally fused with the residual add that precedes it.
+
+Where it runs: on a CPU in float32 the C kernel (rms_norm_cpu.py); on a GPU in 16 bits one
+Triton launch (rms_norm_triton.py, the add included); elsewhere the torch form below, which
+is the reference of both."""
 
 from __future__ import annotations
+
+import functools
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -8,10 +15,32 @@ from torch import nn
 
 from engine_proc.layers import rms_norm_cpu
 
+logger = logging.getLogger(__name__)
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def triton_norm(x: torch.Tensor):
+    """rms_norm_triton's module for 16-bit tensors on a GPU (None elsewhere or without
+    Triton)."""
+    if not x.is_cuda or x.dtype not in HALF_DTYPES:
+        return None
+    return _triton_module()
+
+
+@functools.cache
+def _triton_module():
+    try:
+        from engine_proc.layers import rms_norm_triton
+    except ImportError as e:
+        logger.warning("Triton unavailable (%s): RMSNorm runs as torch ops", e)
+        return None
+    return rms_norm_triton
+
 
 class RMSNorm(nn.Module):
     # norm(x) = w * x / rms(x): the CPU kernel's formula (a subclass with another sets False)
     cpu_kernel = True
+    zero_centered = False  # norm(x) * (1 + w) in fp32 (Qwen3.5): the Triton kernel's flag
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -34,6 +63,10 @@ class RMSNorm(nn.Module):
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
         if self.cpu_kernel and rms_norm_cpu.applies(x, self.weight, residual):
             return rms_norm_cpu.rms_norm(x, self.weight, self.eps, residual)
+        kernel = triton_norm(x)
+        if kernel is not None and x.dtype == self.weight.dtype:
+            return kernel.rms_norm(x, self.weight, self.eps, residual,
+                                   zero_centered=self.zero_centered)
         if residual is None:
             return self._norm(x)
         x = x + residual
@@ -46,6 +79,7 @@ class ZeroCenteredRMSNorm(RMSNorm):
     GemmaRMSNorm). The weight keeps the checkpoint's values."""
 
     cpu_kernel = False  # norm(x) * (1 + w)
+    zero_centered = True
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__(hidden_size, eps)

@@ -8,10 +8,15 @@ x*cos + rotate_half(x)*sin.
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 from torch import nn
 
 from engine_proc.layers import rotary_cpu
+
+logger = logging.getLogger(__name__)
 
 
 def _inv_freq(dim: int, base: float) -> torch.Tensor:
@@ -21,9 +26,12 @@ def _inv_freq(dim: int, base: float) -> torch.Tensor:
 def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [N, heads, D] in place with half tables cos/sin [N, D/2] (broadcast over
     heads): no concatenations, two temporaries; in one pass on a CPU in float32
-    (rotary_cpu.py, bit-identical)."""
+    (rotary_cpu.py) and on a GPU in 16 bits (rotary_triton.py), both bit-identical."""
     if rotary_cpu.applies(x, cos, sin):
         return rotary_cpu.rotate_(x, cos, sin)
+    kernel = triton_rotary(x, cos)
+    if kernel is not None:
+        return kernel.rotate_(x, cos, sin)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     cos = cos.unsqueeze(-2)
@@ -33,6 +41,25 @@ def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     x1.mul_(cos).sub_(x2_sin)
     x2.mul_(cos).add_(x1_sin)
     return x
+
+
+def triton_rotary(x: torch.Tensor, cos: torch.Tensor):
+    """rotary_triton's module for 16-bit tensors on a GPU with tables of their dtype (None
+    elsewhere or without Triton)."""
+    if (not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16) or cos.dtype != x.dtype
+            or x.stride(-1) != 1):
+        return None
+    return _triton_module()
+
+
+@functools.cache
+def _triton_module():
+    try:
+        from engine_proc.layers import rotary_triton
+    except ImportError as e:
+        logger.warning("Triton unavailable (%s): rotary runs as torch ops", e)
+        return None
+    return rotary_triton
 
 
 def _axis_of_freq(mrope_section: tuple[int, int, int], interleaved: bool) -> torch.Tensor:
