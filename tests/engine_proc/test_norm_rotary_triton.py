@@ -69,3 +69,46 @@ def test_rotary_is_bit_identical_to_its_torch_form(dtype, heads, head_dim):
     got = qkv.to(DEVICE)
     rotary_triton.rotate_(got[:, :heads], cos.to(DEVICE), sin.to(DEVICE))
     assert torch.equal(got.cpu(), expected)  # the v heads past `heads` untouched too
+
+
+@pytest.mark.parametrize("preset", ["TINY", "TINY_QWEN3_VL", "TINY_QWEN3_5"])
+def test_an_engine_through_the_kernels_gives_its_torch_logprobs(preset, monkeypatch):
+    """The kernels where a model calls them: every family's norms (decoder, q/k norms,
+    Qwen3.5's zero-centred ones, the vision tower's, with and without the residual) and
+    rotary, an image in the prompt, in float32 (the CPU's C kernels off in both runs, so the
+    reference is the torch forms): the first token's top log-probabilities agree to float32
+    rounding. (The 16-bit arithmetic is the tests above'.)"""
+    from engine_proc.layers import rms_norm, rms_norm_cpu, rotary_cpu, rotary_embedding
+    from shared import random_checkpoints
+    from shared.model_config import load_model_config
+    from tests.engine_proc.engine_factory import make_engine
+    from tests.engine_proc.test_engine import make_request
+    from tests.tolerance import tolerance
+
+    monkeypatch.setattr(rms_norm_cpu, "applies", lambda *args: False)
+    monkeypatch.setattr(rotary_cpu, "applies", lambda *args: False)
+    path = random_checkpoints.ensure_checkpoint(getattr(random_checkpoints, preset))
+    config = load_model_config(path)
+
+    def first_token_logprobs():
+        engine = make_engine(path, dtype="float32")
+        engine.add_request(make_request(config, "a", [5, (2, 2), 7], 0, max_tokens=1,
+                                        logprobs=5))
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.logprobs:
+                    return output.logprobs[0]
+
+    _, want_ids, want_values = first_token_logprobs()
+    used = []
+    monkeypatch.setattr(rms_norm, "triton_norm", lambda x: used.append("norm") or rms_norm_triton)
+    monkeypatch.setattr(rotary_embedding, "triton_rotary",
+                        lambda x, cos: used.append("rotary") or rotary_triton)
+    _, ids, values = first_token_logprobs()
+    assert {"norm", "rotary"} <= set(used)
+    # the norms' sums in another order: float32 roundings through every layer and the head
+    bound = tolerance(torch.float32, config.text.hidden_size,
+                      depth=2 * (config.text.num_hidden_layers + 1),
+                      scale=max(map(abs, want_values)))
+    torch.testing.assert_close(torch.tensor(values), torch.tensor(want_values), **bound)
+    assert ids == want_ids
