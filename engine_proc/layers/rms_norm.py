@@ -20,19 +20,32 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def triton_norm(x: torch.Tensor):
-    """rms_norm_triton's module for 16-bit tensors on a GPU (None elsewhere or without
-    Triton)."""
+    """rms_norm_triton's module for 16-bit tensors on a GPU (None elsewhere, without
+    Triton, or where its first run on the device disagreed with the torch form)."""
     if not x.is_cuda or x.dtype not in HALF_DTYPES:
         return None
-    return _triton_module()
+    return _triton_module(x.device)
 
 
 @functools.cache
-def _triton_module():
+def _triton_module(device: torch.device):
+    """The kernel module, after one small run on `device` checked against the torch form:
+    a kernel that fails to compile or computes wrong turns itself off with a warning
+    instead of failing (or corrupting) every step."""
     try:
         from engine_proc.layers import rms_norm_triton
-    except ImportError as e:
-        logger.warning("Triton unavailable (%s): RMSNorm runs as torch ops", e)
+
+        x, r = (torch.randn(3, 96, device=device).to(torch.bfloat16) for _ in range(2))
+        w = torch.rand(96, device=device).to(torch.bfloat16)
+        out, summed = rms_norm_triton.rms_norm(x, w, 1e-6, r)
+        h = (x + r).float()
+        want = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * w
+        if not (torch.equal(summed, x + r)
+                and torch.allclose(out.float(), want.float(), rtol=2**-7, atol=0.0)):
+            raise RuntimeError("its probe disagrees with the torch form")
+    except Exception as e:  # ImportError included: no Triton
+        logger.warning("RMSNorm runs as torch ops on %s: the Triton kernel is off (%s)",
+                       device, e)
         return None
     return rms_norm_triton
 

@@ -45,19 +45,32 @@ def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 
 def triton_rotary(x: torch.Tensor, cos: torch.Tensor):
     """rotary_triton's module for 16-bit tensors on a GPU with tables of their dtype (None
-    elsewhere or without Triton)."""
+    elsewhere, without Triton, or where its first run on the device was not bit-identical
+    to the torch form)."""
     if (not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16) or cos.dtype != x.dtype
             or x.stride(-1) != 1):
         return None
-    return _triton_module()
+    return _triton_module(x.device)
 
 
 @functools.cache
-def _triton_module():
+def _triton_module(device: torch.device):
     try:
         from engine_proc.layers import rotary_triton
-    except ImportError as e:
-        logger.warning("Triton unavailable (%s): rotary runs as torch ops", e)
+
+        x = torch.randn(4, 5, 64, device=device).to(torch.bfloat16)
+        angles = torch.rand(4, 32, device=device) * 20
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        got = rotary_triton.rotate_(x.clone()[:, :3], cos, sin)
+        half = 32
+        x1, x2 = x[:, :3, :half], x[:, :3, half:]
+        c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        want = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+        if not torch.equal(got, want):
+            raise RuntimeError("its probe is not bit-identical to the torch form")
+    except Exception as e:  # ImportError included: no Triton
+        logger.warning("rotary runs as torch ops on %s: the Triton kernel is off (%s)",
+                       device, e)
         return None
     return rotary_triton
 

@@ -19,6 +19,19 @@ def test_varlen_kernel_is_none_where_flash_attention_cannot_run():
     assert varlen_kernel(torch.device("cuda"), torch.bfloat16, 512) is None
 
 
+def test_flash_attention_that_fails_its_probe_is_off(caplog):
+    """On its first use on a device the varlen call runs once against the reference; where
+    it cannot run (here: a CPU, which has no FlashAttention) it is off with a warning."""
+    from engine_proc.layers import varlen_attention
+
+    varlen_attention._checked_flash.cache_clear()
+    try:
+        assert varlen_attention._checked_flash(torch.device("cpu")) is None
+        assert "FlashAttention's varlen call is off" in caplog.text
+    finally:
+        varlen_attention._checked_flash.cache_clear()
+
+
 def test_the_reference_aligns_a_causal_chunk_to_its_last_keys():
     """A 2-query chunk after 3 cached keys: query 0 sees keys 0..3, query 1 all 5."""
     q = torch.zeros(2, 1, 8)
