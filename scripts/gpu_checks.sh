@@ -80,9 +80,11 @@ v('transformers'), 'xgrammar', v('xgrammar'))"
 
 run_tests() {  # the GPU-marked tests, then the Triton kernels' tests on the card
     "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/engine_proc
-    "$PY" -m pytest -q -p no:cacheprovider tests/engine_proc/test_gated_delta_rule_triton.py \
+    "$PY" -m pytest -q -p no:cacheprovider tests/engine_proc/test_kernel_probes.py \
+        tests/engine_proc/test_gated_delta_rule_triton.py \
         tests/engine_proc/test_gated_delta_rule_fla.py \
-        tests/engine_proc/test_paged_decode_attention_triton.py
+        tests/engine_proc/test_paged_decode_attention_triton.py \
+        tests/engine_proc/test_norm_rotary_triton.py
 }
 
 run_e2e() {  # every family served with its engine on CUDA, against transformers' tokens

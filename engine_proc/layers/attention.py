@@ -54,6 +54,7 @@ from engine_proc.layers import paged_attention_cpu
 from engine_proc.layers.varlen_attention import varlen_kernel, varlen_reference
 
 logger = logging.getLogger(__name__)
+PROBE_DTYPE = torch.bfloat16  # the GPU kernels' first-use checks run in serving's dtype
 
 
 @dataclass
@@ -274,17 +275,34 @@ def build_attention_metadata(
 
 
 def triton_decode(device: torch.device):
-    """The paged Triton decode kernel's module on a CUDA device (None elsewhere, or without
-    Triton: decodes then gather and run SDPA)."""
-    return _triton_decode_module() if device.type == "cuda" else None
+    """The paged Triton decode kernel's module on a CUDA device (None elsewhere, without
+    Triton, or where its first run on the device disagreed with the reference: decodes
+    then gather and run SDPA)."""
+    return _triton_decode_module(torch.device(device)) if device.type == "cuda" else None
 
 
 @functools.cache
-def _triton_decode_module():
+def _triton_decode_module(device: torch.device):
+    """The module, after one small run on `device` (PROBE_DTYPE, GQA, two sequences across
+    blocks) against the reference: a kernel that fails to compile or computes wrong turns
+    itself off with a warning instead of failing every decode."""
     try:
         from engine_proc.layers import paged_decode_attention_triton
-    except ImportError as e:
-        logger.warning("Triton unavailable (%s): decode attention gathers the KV cache", e)
+        from engine_proc.layers.paged_decode_attention_ref import paged_decode_attention_ref
+
+        k_cache, v_cache = (torch.randn(6, 16, 2, 64, device=device).to(PROBE_DTYPE)
+                            for _ in range(2))
+        q = torch.randn(2, 8, 64, device=device).to(PROBE_DTYPE)
+        tables = torch.tensor([[4, 1, 3], [0, -1, -1]], dtype=torch.int32, device=device)
+        lens = torch.tensor([40, 5], dtype=torch.int32, device=device)
+        got = paged_decode_attention_triton.paged_decode_attention(q, k_cache, v_cache, tables,
+                                                                   lens, 0.125)
+        want = paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.125)
+        if not torch.allclose(got.float(), want.float(), rtol=0.02, atol=0.02):
+            raise RuntimeError("its probe disagrees with the reference")
+    except Exception as e:  # ImportError included: no Triton
+        logger.warning("decode attention gathers the KV cache on %s: the paged Triton kernel "
+                       "is off (%s)", device, e)
         return None
     return paged_decode_attention_triton
 

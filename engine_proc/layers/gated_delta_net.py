@@ -322,7 +322,7 @@ def decode_kernels(ssm_state: torch.Tensor, conv_state: torch.Tensor):
     decodes in their slots on its states' device (the C kernels on a CPU in float32, the
     Triton ones on a GPU), or None: the torch form, states gathered and scattered back."""
     if conv_state.is_cuda:
-        kernels = _triton_kernels()
+        kernels = _triton_kernels(conv_state.device)
         states_ok = (ssm_state.stride(3) == 1 and ssm_state.stride(2) == ssm_state.shape[3]
                      and conv_state.is_contiguous())
         return kernels if kernels is not None and states_ok else None
@@ -332,14 +332,39 @@ def decode_kernels(ssm_state: torch.Tensor, conv_state: torch.Tensor):
 
 
 @functools.cache
-def _triton_kernels():
+def _triton_kernels(device: torch.device):
+    """The Triton decode kernels, after one small run on `device` (two slots of three,
+    out of order) against the torch forms: kernels that fail to compile or compute wrong
+    turn themselves off with a warning instead of failing every decode."""
     try:
-        from engine_proc.layers import gated_delta_rule_triton
-    except ImportError as e:  # no triton: logged once
-        logger.warning("Triton unavailable (%s): Gated DeltaNet decodes gather and scatter "
-                       "their states", e)
+        from engine_proc.layers import gated_delta_rule_triton as kernels
+
+        slots = torch.tensor([2, 0], device=device)
+        state = torch.randn(3, 2, 32, 32, device=device)
+        q, k = (torch.nn.functional.normalize(torch.randn(2, 1, 32, device=device), dim=-1)
+                for _ in range(2))
+        v = torch.randn(2, 2, 32, device=device)
+        g, beta = -torch.rand(2, 2, device=device), torch.rand(2, 2, device=device)
+        want, want_state = recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None],
+                                                      g[:, None], beta[:, None],
+                                                      initial_state=state[slots])
+        out = torch.empty(2, 2, 32, device=device)
+        kernels.gated_delta_rule_decode_(state, slots, q, k, v, g, beta, out)
+        conv = torch.randn(3, 3, 48, device=device)
+        weight, x = torch.randn(48, 4, device=device), torch.randn(2, 48, device=device)
+        conv_want, conv_state = causal_conv_step(x, weight, conv[slots])
+        conv_out = torch.empty(2, 48, device=device)
+        kernels.conv_decode_(conv, slots, x, weight, conv_out)
+        close = all(torch.allclose(a, b, rtol=1e-3, atol=1e-3) for a, b in (
+            (out, want[:, 0]), (state[slots], want_state), (conv_out, conv_want),
+            (conv[slots], conv_state)))
+        if not close:
+            raise RuntimeError("their probe disagrees with the torch forms")
+    except Exception as e:  # ImportError included: no Triton
+        logger.warning("Gated DeltaNet decodes gather and scatter their states on %s: the "
+                       "Triton kernels are off (%s)", device, e)
         return None
-    return gated_delta_rule_triton
+    return kernels
 
 
 def _padding_groups(spans: list[_Span]) -> list[list[_Span]]:

@@ -17,6 +17,7 @@ from engine_proc.layers import rms_norm_cpu
 
 logger = logging.getLogger(__name__)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+PROBE_DTYPE = torch.bfloat16  # the kernel's first-use check runs in serving's dtype
 
 
 def triton_norm(x: torch.Tensor):
@@ -35,13 +36,14 @@ def _triton_module(device: torch.device):
     try:
         from engine_proc.layers import rms_norm_triton
 
-        x, r = (torch.randn(3, 96, device=device).to(torch.bfloat16) for _ in range(2))
-        w = torch.rand(96, device=device).to(torch.bfloat16)
+        x, r = (torch.randn(3, 96, device=device).to(PROBE_DTYPE) for _ in range(2))
+        w = torch.rand(96, device=device).to(PROBE_DTYPE)
         out, summed = rms_norm_triton.rms_norm(x, w, 1e-6, r)
         h = (x + r).float()
         want = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * w
         if not (torch.equal(summed, x + r)
-                and torch.allclose(out.float(), want.float(), rtol=2**-7, atol=0.0)):
+                and torch.allclose(out.float(), want.float(),
+                                   rtol=torch.finfo(PROBE_DTYPE).eps, atol=0.0)):
             raise RuntimeError("its probe disagrees with the torch form")
     except Exception as e:  # ImportError included: no Triton
         logger.warning("RMSNorm runs as torch ops on %s: the Triton kernel is off (%s)",

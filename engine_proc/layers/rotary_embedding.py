@@ -17,6 +17,7 @@ from torch import nn
 from engine_proc.layers import rotary_cpu
 
 logger = logging.getLogger(__name__)
+PROBE_DTYPE = torch.bfloat16  # the kernel's first-use check runs in serving's dtype
 
 
 def _inv_freq(dim: int, base: float) -> torch.Tensor:
@@ -58,7 +59,7 @@ def _triton_module(device: torch.device):
     try:
         from engine_proc.layers import rotary_triton
 
-        x = torch.randn(4, 5, 64, device=device).to(torch.bfloat16)
+        x = torch.randn(4, 5, 64, device=device).to(PROBE_DTYPE)
         angles = torch.rand(4, 32, device=device) * 20
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         got = rotary_triton.rotate_(x.clone()[:, :3], cos, sin)

@@ -112,32 +112,3 @@ def test_an_engine_through_the_kernels_gives_its_torch_logprobs(preset, monkeypa
                       scale=max(map(abs, want_values)))
     torch.testing.assert_close(torch.tensor(values), torch.tensor(want_values), **bound)
     assert ids == want_ids
-
-
-@pytest.mark.parametrize("layer", ["rms_norm", "rotary"])
-def test_a_kernel_that_fails_its_probe_turns_itself_off(layer, monkeypatch, caplog):
-    """On its first use on a device each kernel runs once against the torch form; one that
-    raises (a compile error) or computes wrong is off, with a warning, and the layers keep
-    their torch ops."""
-    from engine_proc.layers import rms_norm, rotary_embedding
-
-    owner, module, entry = {
-        "rms_norm": (rms_norm, rms_norm_triton, "rms_norm"),
-        "rotary": (rotary_embedding, rotary_triton, "rotate_"),
-    }[layer]
-    owner._triton_module.cache_clear()
-    monkeypatch.setattr(module, entry, lambda *args, **kwargs: 1 / 0)
-    try:
-        assert owner._triton_module(DEVICE) is None
-        assert "kernel is off (division by zero)" in caplog.text
-    finally:
-        owner._triton_module.cache_clear()
-
-
-@pytest.mark.gpu
-def test_the_kernels_pass_their_probes_on_the_gpu():
-    from engine_proc.layers import rms_norm, rotary_embedding
-
-    x = torch.ones(2, 3, 64, device="cuda", dtype=torch.bfloat16)
-    assert rms_norm.triton_norm(x) is rms_norm_triton
-    assert rotary_embedding.triton_rotary(x, x[:, 0, :32]) is rotary_triton

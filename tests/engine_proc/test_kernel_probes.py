@@ -1,0 +1,74 @@
+"""The GPU kernels check themselves once per device at first use (a small run against their
+torch forms): the paged decode attention, Qwen3.5's decode kernels, the norm and rotary.
+One that fails to compile or computes wrong is off with a warning and the layers keep their
+torch paths; one that agrees is used. Without a GPU the probes run in Triton's interpreter
+in float16 (the interpreter's bfloat16 is not the card's); on a GPU in bfloat16."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from engine_proc.layers import (  # noqa: E402
+    attention,
+    gated_delta_net,
+    gated_delta_rule_triton,
+    paged_decode_attention_triton,
+    rms_norm,
+    rms_norm_triton,
+    rotary_embedding,
+    rotary_triton,
+)
+
+ON_CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
+pytestmark = pytest.mark.skipif(not ON_CUDA and os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="no CUDA device, and TRITON_INTERPRET is not 1")
+
+# (the module that picks the kernel, its probed lookup, the kernel module, an entry to break)
+PROBES = {
+    "paged decode attention": (attention, "_triton_decode_module",
+                               paged_decode_attention_triton, "paged_decode_attention"),
+    "gated delta rule": (gated_delta_net, "_triton_kernels", gated_delta_rule_triton,
+                         "gated_delta_rule_decode_"),
+    "rms norm": (rms_norm, "_triton_module", rms_norm_triton, "rms_norm"),
+    "rotary": (rotary_embedding, "_triton_module", rotary_triton, "rotate_"),
+}
+
+
+@pytest.fixture
+def probe(request, monkeypatch):
+    owner, name, module, entry = PROBES[request.param]
+    if not ON_CUDA and hasattr(owner, "PROBE_DTYPE"):
+        monkeypatch.setattr(owner, "PROBE_DTYPE", torch.float16)
+    lookup = getattr(owner, name)
+    lookup.cache_clear()
+    yield lookup, module, entry
+    lookup.cache_clear()
+
+
+@pytest.mark.parametrize("probe", list(PROBES), indirect=True)
+def test_a_kernel_that_agrees_with_its_torch_form_is_used(probe):
+    lookup, module, _ = probe
+    assert lookup(DEVICE) is module
+
+
+@pytest.mark.parametrize("probe", list(PROBES), indirect=True)
+def test_a_kernel_that_fails_its_probe_is_off_with_a_warning(probe, monkeypatch, caplog):
+    lookup, module, entry = probe
+    monkeypatch.setattr(module, entry, lambda *args, **kwargs: 1 / 0)
+    assert lookup(DEVICE) is None
+    assert "off (division by zero)" in caplog.text
+
+
+@pytest.mark.parametrize("probe", ["rms norm"], indirect=True)
+def test_a_kernel_that_computes_wrong_is_off(probe, monkeypatch, caplog):
+    lookup, module, entry = probe
+    kernel = getattr(module, entry)
+    monkeypatch.setattr(module, entry, lambda *args, **kwargs: tuple(
+        t * 1.01 for t in kernel(*args, **kwargs)))
+    assert lookup(DEVICE) is None
+    assert "disagrees" in caplog.text
