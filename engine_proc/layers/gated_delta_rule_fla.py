@@ -33,9 +33,47 @@ def chunk_rule():
 
 
 def prefill_rule(device: torch.device):
-    """The varlen chunked rule for prefills on `device`: FLA's on a GPU where installed,
-    else None (the torch form)."""
-    return chunk_rule() if device.type == "cuda" else None
+    """The varlen chunked rule for prefills on `device`: FLA's on a GPU where installed and
+    where its first run there agreed with the torch form, else None (the torch form)."""
+    return _checked_rule(torch.device(device)) if device.type == "cuda" else None
+
+
+@functools.cache
+def _checked_rule(device: torch.device):
+    """FLA's rule after one small run through `prefill_` on `device` (two chunks of 7 and
+    13 tokens, one from its slot's state, one from zeros; bf16 inputs, fp32 states) against
+    the torch form: a rule that fails or computes wrong is off with a warning, and
+    prefills run the torch form instead of failing."""
+    rule = chunk_rule()
+    if rule is None:
+        return None
+    from engine_proc.layers.gated_delta_rule import chunk_gated_delta_rule
+
+    try:
+        q, k = (torch.randn(20, 1, 32, device=device, dtype=torch.bfloat16) for _ in range(2))
+        v = torch.randn(20, 2, 32, device=device, dtype=torch.bfloat16)
+        g = -torch.rand(20, 2, device=device)
+        beta = torch.rand(20, 2, device=device).to(torch.bfloat16)
+        states = torch.randn(3, 2, 32, 32, device=device) * 0.1
+        before = states.clone()
+        cu = torch.tensor([0, 7, 20], device=device)
+        slots = torch.tensor([2, 0], device=device)
+        out = torch.empty_like(v)
+        prefill_(rule, states, 0, cu, slots, torch.tensor([True, False], device=device),
+                 q, k, v, g, beta, out)
+        agree = True
+        for (start, end), slot, initial in (((0, 7), 2, before[2][None]), ((7, 20), 0, None)):
+            want, final = chunk_gated_delta_rule(*(x[None, start:end] for x in (q, k, v, g, beta)),
+                                                 initial_state=initial)
+            agree &= torch.allclose(out[start:end].float(), want[0].float(), rtol=0.05, atol=0.05)
+            agree &= torch.allclose(states[slot], final[0], rtol=0.05, atol=0.05)
+        if not agree:
+            raise RuntimeError("its probe disagrees with the torch form")
+    except Exception as e:
+        logger.warning("Gated DeltaNet prefills run the torch rule on %s: flash-linear-"
+                       "attention's is off (%s)", device, e)
+        return None
+    return rule
 
 
 def prefill_(rule, ssm_state: torch.Tensor, start: int, cu_seqlens: torch.Tensor,

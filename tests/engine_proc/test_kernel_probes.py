@@ -72,3 +72,38 @@ def test_a_kernel_that_computes_wrong_is_off(probe, monkeypatch, caplog):
         t * 1.01 for t in kernel(*args, **kwargs)))
     assert lookup(DEVICE) is None
     assert "disagrees" in caplog.text
+
+
+def _varlen_torch_rule(q, k, v, g, beta, *, initial_state, output_final_state,
+                       use_qk_l2norm_in_kernel, cu_seqlens):
+    """FLA's varlen call made of the torch form, chunk by chunk (the probe's happy path
+    where flash-linear-attention cannot run: a CPU)."""
+    from engine_proc.layers.gated_delta_rule import chunk_gated_delta_rule
+
+    outs, finals = [], []
+    bounds = cu_seqlens.tolist()
+    for i in range(len(bounds) - 1):
+        s, e = bounds[i], bounds[i + 1]
+        init = None if initial_state is None else initial_state[i][None]
+        o, final = chunk_gated_delta_rule(*(x[:, s:e] for x in (q, k, v, g, beta)),
+                                          initial_state=init)
+        outs.append(o)
+        finals.append(final)
+    return torch.cat(outs, dim=1), torch.cat(finals)
+
+
+@pytest.mark.parametrize("rule,used", [(_varlen_torch_rule, True), (lambda *a, **k: 1 / 0, False)])
+def test_flash_linear_attention_is_used_only_where_its_probe_agrees(rule, used, monkeypatch,
+                                                                      caplog):
+    """The prefill rule's probe, through `prefill_` as a step calls it (slots out of order,
+    one chunk from its state, one from zeros): a rule that agrees is used; one that raises
+    is off with a warning. (FLA itself runs only on a GPU: gpu_checks' `tests`.)"""
+    from engine_proc.layers import gated_delta_rule_fla as fla
+
+    monkeypatch.setattr(fla, "chunk_rule", lambda: rule)
+    fla._checked_rule.cache_clear()
+    try:
+        assert (fla._checked_rule(torch.device("cpu")) is rule) == used
+        assert used or "flash-linear-attention's is off (division by zero)" in caplog.text
+    finally:
+        fla._checked_rule.cache_clear()
