@@ -234,6 +234,13 @@ class EngineStatsCollector(Collector):
             "flatserve_cuda_graph_bytes", "Device bytes the engines' decode CUDA graphs took "
             "when captured at start (--no-enforce-eager; 0 when eager)",
             value=total("cuda_graph_bytes"))
+        yield CounterMetricFamily(
+            "flatserve_forward_steps", "Forwards the engines ran (steps with tokens)",
+            value=total("num_forward_steps"))
+        yield CounterMetricFamily(
+            "flatserve_cuda_graph_steps", "Forwards that replayed a decode CUDA graph (the "
+            "others ran eagerly: a prompt chunk, state copies, or a batch past the largest "
+            "capture size)", value=total("num_graph_steps"))
         yield GaugeMetricFamily(
             "flatserve_state_slots_free", "Recurrent state slots no running request holds",
             value=total("num_state_slots_free"))

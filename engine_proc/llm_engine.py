@@ -203,7 +203,12 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any."""
-        self.model_runner.close()
+        runner = self.model_runner
+        if runner.decode_graphs is not None and runner.num_forward_steps:
+            logger.info("%d forwards, %d of them replayed decode graphs (%.0f%%)",
+                        runner.num_forward_steps, runner.num_graph_steps,
+                        100 * runner.num_graph_steps / runner.num_forward_steps)
+        runner.close()
 
     @property
     def failure(self) -> str | None:
@@ -335,6 +340,8 @@ class LLMEngine:
             gpu_memory_utilization=self.gpu_memory_utilization or 0.0,
             cuda_graph_bytes=(0 if self.model_runner.decode_graphs is None
                               else self.model_runner.decode_graphs.capture_bytes),
+            num_forward_steps=self.model_runner.num_forward_steps,
+            num_graph_steps=self.model_runner.num_graph_steps,
         )
 
     def take_encoder_key_changes(self) -> tuple[list[bytes], list[bytes]]:

@@ -189,6 +189,7 @@ class ModelRunner:
         if self.workers is not None and not self.on_cuda:
             self.vision_threads = torch.get_num_threads() * tensor_parallel_size
         self.sampler = Sampler()
+        self.num_forward_steps = self.num_graph_steps = 0  # /metrics: how many replayed
         # a step's small arrays reach the GPU through one pinned arena (not a block each)
         self.staging = StepStaging(self.device) if self.on_cuda else None
         self.structured = None  # StructuredOutputs, set by the engine
@@ -392,7 +393,9 @@ class ModelRunner:
                 self._forward(StepInputs.copies_only(_pairs(batch.state_restores)), [])
             return [], None
         inputs, sample_seqs, prompt = self.prepare(batch)
+        self.num_forward_steps += 1
         if self._replays(inputs, prompt):
+            self.num_graph_steps += 1
             logits = self.model.compute_logits(self.decode_graphs.replay(inputs))
             return self._sample(logits, sample_seqs)
         pieces = self._image_rows(batch, inputs)  # vision work, on rank 0 only

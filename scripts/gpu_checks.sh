@@ -146,9 +146,11 @@ run_graphs() {  # decode steps as CUDA graphs beside eager (--baseline-args), sa
             $FS bench --workload text --prompt-len 256 --output-len 128 --ignore-eos \
                 --concurrency "$c" --num-requests $(( c < 32 ? 6 : 64 )) --no-progress \
                 --label "$p graphs c=$c" --baseline-args=--enforce-eager \
+                --server-log "$OUT/server_graphs_${p}_c$c.log" \
                 -- --model "$m" --no-enforce-eager
         done
     done
+    grep -h "replayed decode graphs" "$OUT"/server_graphs_*.log || true  # their share
 }
 
 run_soak() {  # 2048px, unique images, 10% disconnects

@@ -24,9 +24,9 @@ def test_prefix_cache_counters_sum_the_engines_latest_stats():
 
 def test_engine_figures_kv_usage_preemptions_and_rss_per_process():
     engines = [EngineStats(2, 3, 100, 25, 0, num_preemptions=4, rss_bytes=5 << 20,
-                           cuda_graph_bytes=3 << 20),
+                           cuda_graph_bytes=3 << 20, num_forward_steps=10, num_graph_steps=7),
                EngineStats(1, 1, 100, 75, 0, num_preemptions=1, rss_bytes=7 << 20,
-                           cuda_graph_bytes=1 << 20)]
+                           cuda_graph_bytes=1 << 20, num_forward_steps=5)]
     metrics = Metrics(num_waiting=lambda: 0, num_running=lambda: 0, mm_inflight_bytes=lambda: 0,
                       mm_inflight_budget=1, engine_stats=lambda: engines, model_name="m")
     text = metrics.render().decode()
@@ -37,6 +37,8 @@ def test_engine_figures_kv_usage_preemptions_and_rss_per_process():
     assert 'flatserve_process_rss_bytes{process="engine 1"} 7.340032e+06' in text
     assert 'flatserve_process_rss_bytes{process="api"}' in text
     assert "flatserve_cuda_graph_bytes 4.194304e+06" in text
+    assert "flatserve_forward_steps_total 15.0" in text
+    assert "flatserve_cuda_graph_steps_total 7.0" in text
 
 
 def families(metrics: Metrics) -> dict:

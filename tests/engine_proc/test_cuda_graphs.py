@@ -322,8 +322,11 @@ def _graph_path_tokens(monkeypatch, preset: str, device: str, stand_in: bool) ->
     config = load_model_config(path)
     prompts = [[30], [4, (2, 2), 9], [70], [12], [41]]
 
+    engines = []
+
     def run(**kw) -> list[dict]:
         engine = make_engine(path, max_num_seqs=8, device=device, **kw)
+        engines.append(engine)
         return [engine.generate([make_request(config, f"r{i}", p, wave, max_tokens=12)
                                  for i, p in enumerate(prompts)]) for wave in range(2)]
 
@@ -333,3 +336,7 @@ def _graph_path_tokens(monkeypatch, preset: str, device: str, stand_in: bool) ->
                  graph_stand_in=stand_in)
     assert graphs == eager
     assert 5 in replays and max(replays) <= 8
+    # /metrics' counts: every replay, and the eager forwards beside them
+    eager_stats, graph_stats = (engine.stats() for engine in engines)
+    assert eager_stats.num_graph_steps == 0 and eager_stats.num_forward_steps > 0
+    assert graph_stats.num_graph_steps == len(replays) < graph_stats.num_forward_steps
