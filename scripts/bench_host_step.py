@@ -9,12 +9,18 @@ a 3B bf16 decode step on an H100 (its 6.2 GB of decoder weights read at 3.35 TB/
 --floor-ms for another model or card). Host time above the floor is time the GPU idles
 unless the host works ahead.
 
+It also prints how many steps of a closed loop are decode-only (what a decode CUDA graph
+can replay; the others, with a prompt chunk in them, run eagerly): concurrency c, prompts
+of 300 tokens, outputs of 128 tokens or of 64-192 (uniform), the first quarter of the steps
+left out as the ramp.
+
     python scripts/bench_host_step.py [--seqs 1 32 128] [--steps 64] [--floor-ms 1.85]
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 import time
 from pathlib import Path
@@ -58,6 +64,46 @@ def host_ms_per_step(path: Path, num_seqs: int, steps: int) -> float:
         engine.close()
 
 
+def decode_only_share(path: Path, concurrency: int, lengths: tuple[int, int],
+                      num_requests: int) -> float:
+    """The share of a closed loop's steps (after the first quarter) with no prompt chunk."""
+    engine = LLMEngine(str(path), max_num_seqs=max(concurrency, 8),
+                       kv_cache_memory_bytes=512 << 20, max_model_len=2048)
+    logits = torch.randn(max(concurrency, 8) * 2, engine.model_runner.config.text.vocab_size)
+    decode_only = []
+    original_forward, original_run = ModelRunner._forward, ModelRunner.run
+
+    def run(self, batch):
+        decode_only.append(batch.num_decode_seqs == len(batch.seqs))
+        return original_run(self, batch)
+
+    ModelRunner._forward = lambda self, inputs, pieces: logits[: len(inputs.sample_rows)]
+    ModelRunner.run = run
+    rng = random.Random(0)
+
+    def request(i: int) -> AddRequest:
+        sampling = SamplingParams(max_tokens=rng.randint(*lengths), temperature=0.0,
+                                  ignore_eos=True)
+        return AddRequest(f"r{i}", list(range(5, 305)), sampling, [])
+
+    try:
+        for i in range(concurrency):
+            engine.add_request(request(i))
+        sent, finished = concurrency, 0
+        while finished < num_requests:
+            for output in engine.step():
+                if output.finish_reason is not None:
+                    finished += 1
+                    if sent < num_requests:
+                        engine.add_request(request(sent))
+                        sent += 1
+    finally:
+        ModelRunner._forward, ModelRunner.run = original_forward, original_run
+        engine.close()
+    steady = decode_only[len(decode_only) // 4:]
+    return sum(steady) / len(steady)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", type=int, nargs="+", default=[1, 32, 128])
@@ -73,6 +119,14 @@ def main() -> None:
         ms = host_ms_per_step(path, n, args.steps)
         print(f"| {n} | {ms:.2f} | {ms * 1e3 / n:.1f} | {args.floor_ms:.2f} | "
               f"{ms / args.floor_ms:.2f} |")
+    print()
+    print("| concurrency | output tokens | decode-only steps |")
+    print("| --- | --- | --- |")
+    for n in args.seqs:
+        for lengths in ((128, 128), (64, 192)):
+            share = decode_only_share(path, n, lengths, max(8 * n, 16))
+            label = str(lengths[0]) if lengths[0] == lengths[1] else f"{lengths[0]}-{lengths[1]}"
+            print(f"| {n} | {label} | {share:.0%} |")
 
 
 if __name__ == "__main__":
