@@ -25,9 +25,12 @@ import torch
 from engine_proc.cuda_graphs import DecodeGraphs, DecodePadding
 from engine_proc.distributed import all_reduce_min, tp_shard
 from engine_proc.encoder_cache import EncoderCache
-from engine_proc.layers import paged_attention_cpu, rms_norm_cpu, rotary_cpu
+from engine_proc.layers import gated_delta_rule_fla, paged_attention_cpu, rms_norm_cpu, rotary_cpu
 from engine_proc.layers.attention import triton_decode
 from engine_proc.layers.packed_linear import pack_linear_weights
+from engine_proc.layers.rms_norm import triton_norm
+from engine_proc.layers.rotary_embedding import triton_rotary
+from engine_proc.layers.varlen_attention import varlen_kernel
 from engine_proc.logits_adjustments import build_adjustments
 from engine_proc.models.registry import model_class
 from engine_proc.prompt_logprobs import PromptRows, score
@@ -210,6 +213,8 @@ class ModelRunner:
                 self.model, self.state_shape,
                 self.num_state_slots + self.num_state_snapshots + graphs, self.device)
         self.encoder_cache = EncoderCache(0)  # sized by the engine (default_encoder_cache_bytes)
+        if self.on_cuda:
+            self._check_gpu_kernels()
         self.decode_graphs = (self._capture_decode_graphs(cuda_graph_sizes, graph_stand_in)
                               if graphs else None)
 
@@ -234,6 +239,19 @@ class ModelRunner:
                            exc_info=True)
             return None
         return graphs
+
+    def _check_gpu_kernels(self) -> None:
+        """Each GPU kernel's first-use check (a small run against its torch form, and its
+        compile) at start rather than in the first requests' time; the log names any that
+        turned itself off. Qwen3.5's decode kernels were checked when its states were
+        assigned."""
+        x = torch.zeros(1, 1, 64, device=self.device, dtype=self.dtype)
+        triton_norm(x)
+        triton_rotary(x, x[:, 0, :32], x[:, 0, :32])
+        triton_decode(self.device)
+        varlen_kernel(self.device, self.dtype, self.config.text.head_dim)
+        if self.state_shape is not None:
+            gated_delta_rule_fla.prefill_rule(self.device)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (the runner is unusable after)."""

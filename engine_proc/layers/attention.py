@@ -290,9 +290,10 @@ def _triton_decode_module(device: torch.device):
         from engine_proc.layers import paged_decode_attention_triton
         from engine_proc.layers.paged_decode_attention_ref import paged_decode_attention_ref
 
-        k_cache, v_cache = (torch.randn(6, 16, 2, 64, device=device).to(PROBE_DTYPE)
+        gen = torch.Generator().manual_seed(0)  # not the global generator sampling uses
+        k_cache, v_cache = (torch.randn(6, 16, 2, 64, generator=gen).to(device, PROBE_DTYPE)
                             for _ in range(2))
-        q = torch.randn(2, 8, 64, device=device).to(PROBE_DTYPE)
+        q = torch.randn(2, 8, 64, generator=gen).to(device, PROBE_DTYPE)
         tables = torch.tensor([[4, 1, 3], [0, -1, -1]], dtype=torch.int32, device=device)
         lens = torch.tensor([40, 5], dtype=torch.int32, device=device)
         got = paged_decode_attention_triton.paged_decode_attention(q, k_cache, v_cache, tables,

@@ -339,19 +339,23 @@ def _triton_kernels(device: torch.device):
     try:
         from engine_proc.layers import gated_delta_rule_triton as kernels
 
+        gen = torch.Generator().manual_seed(0)  # not the global generator sampling uses
+
+        def randn(*shape):
+            return torch.randn(*shape, generator=gen).to(device)
+
         slots = torch.tensor([2, 0], device=device)
-        state = torch.randn(3, 2, 32, 32, device=device)
-        q, k = (torch.nn.functional.normalize(torch.randn(2, 1, 32, device=device), dim=-1)
-                for _ in range(2))
-        v = torch.randn(2, 2, 32, device=device)
-        g, beta = -torch.rand(2, 2, device=device), torch.rand(2, 2, device=device)
+        state = randn(3, 2, 32, 32)
+        q, k = (torch.nn.functional.normalize(randn(2, 1, 32), dim=-1) for _ in range(2))
+        v = randn(2, 2, 32)
+        g, beta = -randn(2, 2).abs(), randn(2, 2).sigmoid()
         want, want_state = recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None],
                                                       g[:, None], beta[:, None],
                                                       initial_state=state[slots])
         out = torch.empty(2, 2, 32, device=device)
         kernels.gated_delta_rule_decode_(state, slots, q, k, v, g, beta, out)
-        conv = torch.randn(3, 3, 48, device=device)
-        weight, x = torch.randn(48, 4, device=device), torch.randn(2, 48, device=device)
+        conv = randn(3, 3, 48)
+        weight, x = randn(48, 4), randn(2, 48)
         conv_want, conv_state = causal_conv_step(x, weight, conv[slots])
         conv_out = torch.empty(2, 48, device=device)
         kernels.conv_decode_(conv, slots, x, weight, conv_out)

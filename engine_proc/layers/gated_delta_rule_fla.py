@@ -50,11 +50,16 @@ def _checked_rule(device: torch.device):
     from engine_proc.layers.gated_delta_rule import chunk_gated_delta_rule
 
     try:
-        q, k = (torch.randn(20, 1, 32, device=device, dtype=torch.bfloat16) for _ in range(2))
-        v = torch.randn(20, 2, 32, device=device, dtype=torch.bfloat16)
-        g = -torch.rand(20, 2, device=device)
-        beta = torch.rand(20, 2, device=device).to(torch.bfloat16)
-        states = torch.randn(3, 2, 32, 32, device=device) * 0.1
+        gen = torch.Generator().manual_seed(0)  # not the global generator sampling uses
+
+        def rand(*shape, normal=True):
+            return (torch.randn if normal else torch.rand)(*shape, generator=gen).to(device)
+
+        q, k = (rand(20, 1, 32).to(torch.bfloat16) for _ in range(2))
+        v = rand(20, 2, 32).to(torch.bfloat16)
+        g = -rand(20, 2, normal=False)
+        beta = rand(20, 2, normal=False).to(torch.bfloat16)
+        states = rand(3, 2, 32, 32) * 0.1
         before = states.clone()
         cu = torch.tensor([0, 7, 20], device=device)
         slots = torch.tensor([2, 0], device=device)

@@ -30,21 +30,35 @@ def triton_norm(x: torch.Tensor):
 
 @functools.cache
 def _triton_module(device: torch.device):
-    """The kernel module, after one small run on `device` checked against the torch form:
-    a kernel that fails to compile or computes wrong turns itself off with a warning
+    """The kernel module, after small runs on `device` checked against the torch form (a
+    decoder's width across warps, a head's width in one; standard and zero-centred, with
+    and without the residual; inputs from a generator of its own, not the global one): a
+    kernel that fails to compile or computes wrong turns itself off with a warning
     instead of failing (or corrupting) every step."""
     try:
         from engine_proc.layers import rms_norm_triton
 
-        x, r = (torch.randn(3, 96, device=device).to(PROBE_DTYPE) for _ in range(2))
-        w = torch.rand(96, device=device).to(PROBE_DTYPE)
-        out, summed = rms_norm_triton.rms_norm(x, w, 1e-6, r)
-        h = (x + r).float()
-        want = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * w
-        if not (torch.equal(summed, x + r)
-                and torch.allclose(out.float(), want.float(),
-                                   rtol=torch.finfo(PROBE_DTYPE).eps, atol=0.0)):
-            raise RuntimeError("its probe disagrees with the torch form")
+        gen = torch.Generator().manual_seed(0)
+        for width in (1536, 128):
+            x, r = (torch.randn(3, width, generator=gen).to(device, PROBE_DTYPE)
+                    for _ in range(2))
+            w = torch.rand(width, generator=gen).to(device, PROBE_DTYPE)
+            for zero_centered in (False, True):
+                for residual in (None, r):
+                    got = rms_norm_triton.rms_norm(x, w, 1e-6, residual,
+                                                   zero_centered=zero_centered)
+                    if residual is not None:
+                        got, summed = got
+                        if not torch.equal(summed, x + r):
+                            raise RuntimeError("its residual sum disagrees with torch's")
+                    h = (x if residual is None else x + r).float()
+                    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+                    want = ((h * (w.float() + 1.0)).to(x.dtype) if zero_centered
+                            else h.to(x.dtype) * w)
+                    # rsqrt against 1 / sqrt: a bf16 ulp on h, two on h * w at most
+                    if not torch.allclose(got.float(), want.float(), atol=0.0,
+                                          rtol=2 * torch.finfo(PROBE_DTYPE).eps):
+                        raise RuntimeError("its probe disagrees with the torch form")
     except Exception as e:  # ImportError included: no Triton
         logger.warning("RMSNorm runs as torch ops on %s: the Triton kernel is off (%s)",
                        device, e)
@@ -79,7 +93,8 @@ class RMSNorm(nn.Module):
         if self.cpu_kernel and rms_norm_cpu.applies(x, self.weight, residual):
             return rms_norm_cpu.rms_norm(x, self.weight, self.eps, residual)
         kernel = triton_norm(x)
-        if kernel is not None and x.dtype == self.weight.dtype:
+        if (kernel is not None and x.dtype == self.weight.dtype
+                and (residual is None or residual.dtype == x.dtype)):
             return kernel.rms_norm(x, self.weight, self.eps, residual,
                                    zero_centered=self.zero_centered)
         if residual is None:

@@ -30,7 +30,7 @@ def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     (rotary_cpu.py) and on a GPU in 16 bits (rotary_triton.py), both bit-identical."""
     if rotary_cpu.applies(x, cos, sin):
         return rotary_cpu.rotate_(x, cos, sin)
-    kernel = triton_rotary(x, cos)
+    kernel = triton_rotary(x, cos, sin)
     if kernel is not None:
         return kernel.rotate_(x, cos, sin)
     half = x.shape[-1] // 2
@@ -44,12 +44,13 @@ def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     return x
 
 
-def triton_rotary(x: torch.Tensor, cos: torch.Tensor):
+def triton_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """rotary_triton's module for 16-bit tensors on a GPU with tables of their dtype (None
     elsewhere, without Triton, or where its first run on the device was not bit-identical
     to the torch form)."""
     if (not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16) or cos.dtype != x.dtype
-            or x.stride(-1) != 1):
+            or sin.dtype != x.dtype or x.stride(-1) != 1 or cos.stride(-1) != 1
+            or sin.stride(-1) != 1 or cos.shape[0] != x.shape[0] or sin.shape != cos.shape):
         return None
     return _triton_module(x.device)
 
@@ -59,8 +60,9 @@ def _triton_module(device: torch.device):
     try:
         from engine_proc.layers import rotary_triton
 
-        x = torch.randn(4, 5, 64, device=device).to(PROBE_DTYPE)
-        angles = torch.rand(4, 32, device=device) * 20
+        gen = torch.Generator().manual_seed(0)  # not the global generator sampling uses
+        x = torch.randn(4, 5, 64, generator=gen).to(device, PROBE_DTYPE)
+        angles = torch.rand(4, 32, generator=gen).to(device) * 20
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         got = rotary_triton.rotate_(x.clone()[:, :3], cos, sin)
         half = 32

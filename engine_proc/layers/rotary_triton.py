@@ -4,8 +4,10 @@
 The torch form is six launches a layer (two products for the temporaries, then a multiply
 and a subtract, a multiply and an add in place); one program here rotates one token's
 heads. The rounding is the torch form's: each product rounded to the dtype, then the
-difference or sum of the rounded values rounded (the explicit casts keep the compiler from
-fusing a product into the add).
+difference or sum of the rounded values rounded. The casts alone do not keep that: compiled
+for sm_90, LLVM narrows a product cast to 16 bits into a 16-bit multiply and Triton then
+fuses it into the subtract as an fma (one rounding, not two; read in the PTX), so the kernel
+is launched with `enable_fp_fusion=False`.
 """
 
 from __future__ import annotations
@@ -48,9 +50,13 @@ def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     n, num_heads, dim = x.shape
     if n:
         half = dim // 2
+        block_h, block_d = triton.next_power_of_2(num_heads), triton.next_power_of_2(half)
         _rotary_kernel[(n,)](
             x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
             num_heads, half,
-            BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(half),
+            BLOCK_H=block_h, BLOCK_D=block_d,
+            # a 128 x 64 tile (72 heads) spills at 4 warps: a warp per 1,024 elements
+            num_warps=min(max(block_h * block_d // 1024, 4), 16),
+            enable_fp_fusion=False,
         )
     return x

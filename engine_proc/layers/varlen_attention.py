@@ -49,8 +49,10 @@ def _checked_flash(device: torch.device) -> VarlenFn | None:
     if flash is None:
         return None
     try:
-        q = torch.randn(5, 4, 64, device=device, dtype=torch.bfloat16)
-        k, v = (torch.randn(9, 2, 64, device=device, dtype=torch.bfloat16) for _ in range(2))
+        gen = torch.Generator().manual_seed(0)  # not the global generator sampling uses
+        q = torch.randn(5, 4, 64, generator=gen).to(device, torch.bfloat16)
+        k, v = (torch.randn(9, 2, 64, generator=gen).to(device, torch.bfloat16)
+                for _ in range(2))
         cu_q = torch.tensor([0, 2, 5], dtype=torch.int32, device=device)
         cu_k = torch.tensor([0, 4, 9], dtype=torch.int32, device=device)
         got = flash(q, k, v, cu_q, cu_k, 3, 5, scale=0.125, causal=True)

@@ -103,7 +103,7 @@ def test_an_engine_through_the_kernels_gives_its_torch_logprobs(preset, monkeypa
     used = []
     monkeypatch.setattr(rms_norm, "triton_norm", lambda x: used.append("norm") or rms_norm_triton)
     monkeypatch.setattr(rotary_embedding, "triton_rotary",
-                        lambda x, cos: used.append("rotary") or rotary_triton)
+                        lambda x, cos, sin: used.append("rotary") or rotary_triton)
     _, ids, values = first_token_logprobs()
     assert {"norm", "rotary"} <= set(used)
     # the norms' sums in another order: float32 roundings through every layer and the head
