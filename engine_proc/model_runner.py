@@ -251,7 +251,10 @@ class ModelRunner:
         triton_decode(self.device)
         varlen_kernel(self.device, self.dtype, self.config.text.head_dim)
         if self.state_shape is not None:
-            gated_delta_rule_fla.prefill_rule(self.device)
+            text, ranks = self.config.text, tp_shard().size
+            gated_delta_rule_fla.prefill_rule(self.device, (
+                text.linear_num_key_heads // ranks, text.linear_num_value_heads // ranks,
+                text.linear_key_head_dim, text.linear_value_head_dim))
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (the runner is unusable after)."""

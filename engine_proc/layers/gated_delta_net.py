@@ -275,7 +275,8 @@ class GatedDeltaNet(nn.Module):
             out[:n] = o[:, 0]
             self.ssm_state.index_copy_(0, meta.decode_slots, states.to(self.ssm_state.dtype))
         keep = meta.keep
-        if meta.spans and (rule := gated_delta_rule_fla.prefill_rule(q.device)) is not None:
+        dims = (self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim)
+        if meta.spans and (rule := gated_delta_rule_fla.prefill_rule(q.device, dims)) is not None:
             gated_delta_rule_fla.prefill_(rule, self.ssm_state, meta.spans[0].start,
                                           *meta.span_tensors(q.device), q, k, v, g, beta, out)
             return out

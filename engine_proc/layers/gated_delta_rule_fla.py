@@ -32,18 +32,23 @@ def chunk_rule():
     return chunk_gated_delta_rule
 
 
-def prefill_rule(device: torch.device):
+PROBE_DIMS = (1, 2, 32, 32)  # key heads, value heads, key dim, value dim
+
+
+def prefill_rule(device: torch.device, dims: tuple[int, int, int, int] = PROBE_DIMS):
     """The varlen chunked rule for prefills on `device`: FLA's on a GPU where installed and
-    where its first run there agreed with the torch form, else None (the torch form)."""
-    return _checked_rule(torch.device(device)) if device.type == "cuda" else None
+    where its first run there, at the layer's `dims` (key heads, value heads, key and value
+    head dims), agreed with the torch form, else None (the torch form)."""
+    return _checked_rule(torch.device(device), dims) if device.type == "cuda" else None
 
 
 @functools.cache
-def _checked_rule(device: torch.device):
-    """FLA's rule after one small run through `prefill_` on `device` (two chunks of 7 and
-    13 tokens, one from its slot's state, one from zeros; bf16 inputs, fp32 states) against
-    the torch form: a rule that fails or computes wrong is off with a warning, and
-    prefills run the torch form instead of failing."""
+def _checked_rule(device: torch.device, dims: tuple[int, int, int, int] = PROBE_DIMS):
+    """FLA's rule after one small run through `prefill_` on `device` at the layer's dims
+    (so its kernels compile, and tune, for them at start: two chunks of 7 and 13 tokens,
+    one from its slot's state, one from zeros; bf16 inputs, fp32 states) against the torch
+    form: a rule that fails or computes wrong is off with a warning, and prefills run the
+    torch form instead of failing."""
     rule = chunk_rule()
     if rule is None:
         return None
@@ -55,11 +60,12 @@ def _checked_rule(device: torch.device):
         def rand(*shape, normal=True):
             return (torch.randn if normal else torch.rand)(*shape, generator=gen).to(device)
 
-        q, k = (rand(20, 1, 32).to(torch.bfloat16) for _ in range(2))
-        v = rand(20, 2, 32).to(torch.bfloat16)
-        g = -rand(20, 2, normal=False)
-        beta = rand(20, 2, normal=False).to(torch.bfloat16)
-        states = rand(3, 2, 32, 32) * 0.1
+        hk, hv, dk, dv = dims
+        q, k = (rand(20, hk, dk).to(torch.bfloat16) for _ in range(2))
+        v = rand(20, hv, dv).to(torch.bfloat16)
+        g = -rand(20, hv, normal=False)
+        beta = rand(20, hv, normal=False).to(torch.bfloat16)
+        states = rand(3, hv, dk, dv) * 0.1
         before = states.clone()
         cu = torch.tensor([0, 7, 20], device=device)
         slots = torch.tensor([2, 0], device=device)

@@ -38,7 +38,7 @@ def test_an_engine_prefilling_through_the_varlen_rule_gives_transformers_tokens(
         monkeypatch, budget):
     calls = []
     monkeypatch.setattr(gated_delta_rule_fla, "prefill_rule",
-                        lambda device: calls.append(1) or varlen_torch_rule)
+                        lambda device, dims: calls.append(dims) or varlen_torch_rule)
     path = ensure_checkpoint(TINY_QWEN3_5)
     config = load_model_config(path)
     engine = make_engine(path, max_num_seqs=3, max_num_batched_tokens=budget)

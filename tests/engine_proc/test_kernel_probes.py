@@ -22,6 +22,7 @@ from engine_proc.layers import (  # noqa: E402
     rotary_embedding,
     rotary_triton,
 )
+from tests.engine_proc.test_gated_delta_rule_fla import varlen_torch_rule  # noqa: E402
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
@@ -78,25 +79,7 @@ def test_a_kernel_that_computes_wrong_is_off(probe, monkeypatch, caplog):
     assert "disagrees" in caplog.text
 
 
-def _varlen_torch_rule(q, k, v, g, beta, *, initial_state, output_final_state,
-                       use_qk_l2norm_in_kernel, cu_seqlens):
-    """FLA's varlen call made of the torch form, chunk by chunk (the probe's happy path
-    where flash-linear-attention cannot run: a CPU)."""
-    from engine_proc.layers.gated_delta_rule import chunk_gated_delta_rule
-
-    outs, finals = [], []
-    bounds = cu_seqlens.tolist()
-    for i in range(len(bounds) - 1):
-        s, e = bounds[i], bounds[i + 1]
-        init = None if initial_state is None else initial_state[i][None]
-        o, final = chunk_gated_delta_rule(*(x[:, s:e] for x in (q, k, v, g, beta)),
-                                          initial_state=init)
-        outs.append(o)
-        finals.append(final)
-    return torch.cat(outs, dim=1), torch.cat(finals)
-
-
-@pytest.mark.parametrize("rule,used", [(_varlen_torch_rule, True), (lambda *a, **k: 1 / 0, False)])
+@pytest.mark.parametrize("rule,used", [(varlen_torch_rule, True), (lambda *a, **k: 1 / 0, False)])
 def test_flash_linear_attention_is_used_only_where_its_probe_agrees(rule, used, monkeypatch,
                                                                       caplog):
     """The prefill rule's probe, through `prefill_` as a step calls it (slots out of order,
@@ -108,6 +91,8 @@ def test_flash_linear_attention_is_used_only_where_its_probe_agrees(rule, used, 
     fla._checked_rule.cache_clear()
     try:
         assert (fla._checked_rule(torch.device("cpu")) is rule) == used
+        # at a layer's own dims (two value heads per key head, dk != dv) as well
+        assert (fla._checked_rule(torch.device("cpu"), (2, 4, 16, 24)) is rule) == used
         assert used or "flash-linear-attention's is off (division by zero)" in caplog.text
     finally:
         fla._checked_rule.cache_clear()
