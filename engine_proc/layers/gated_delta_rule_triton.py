@@ -4,7 +4,10 @@ project's Triton kernels for one token per sequence, the delta rule and the caus
 Same ops as the torch form (engine_proc/layers/gated_delta_rule.py, the readable
 definition and the tests' reference) on one token, in its order: decay the state, read
 k^T S, write k (x) (v - k^T S) * beta, read S^T q, with q and k l2-normalized in the kernel
-(q also scaled by dk^-0.5). Each program owns one (sequence, value head, block of BV value
+(q also scaled by dk^-0.5). The same algebra, not always the same rounding: square roots
+and divisions round to nearest (`sqrt_rn`, `div_rn`), exp is the hardware's approximate one,
+and the norms divide where the torch form multiplies by rsqrt (a few float32 ulps). Each
+program owns one (sequence, value head, block of BV value
 columns): it loads that block of the sequence's state [dk, BV] from its slot once, in
 float32, and stores it back; the key head it reads is h // (Hv / Hk). The conv kernel reads
 each slot's last K-1 inputs, writes silu(conv) and shifts the new input in, in place.
@@ -47,8 +50,8 @@ def _decode_kernel(
                 other=0.0).to(tl.float32)
     k = tl.load(k_ptr + seq * stride_qk_row + key_head * DK + rows, mask=row_ok,
                 other=0.0).to(tl.float32)
-    q = q * (scale / tl.sqrt(tl.sum(q * q) + 1e-6))
-    k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
+    q = q * tl.math.div_rn(scale, tl.sqrt_rn(tl.sum(q * q) + 1e-6))
+    k = tl.math.div_rn(k, tl.sqrt_rn(tl.sum(k * k) + 1e-6))
     v = tl.load(v_ptr + seq * stride_v_row + head * DV + cols, mask=col_ok,
                 other=0.0).to(tl.float32)
     g = tl.load(g_ptr + seq * stride_gb_row + head).to(tl.float32)
@@ -89,7 +92,7 @@ def _conv_kernel(
     tl.store(state + (WIDTH - 2) * channels, x.to(state_ptr.dtype.element_ty), mask=ok)
     out = (acc.to(out_ptr.dtype.element_ty)).to(tl.float32)  # rounded once, then silu
     tl.store(out_ptr + seq * channels + cols,
-             (out / (1.0 + tl.exp(-out))).to(out_ptr.dtype.element_ty), mask=ok)
+             tl.math.div_rn(out, 1.0 + tl.exp(-out)).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -124,7 +127,7 @@ def _conv_prefill_kernel(
         acc += tap * w[None, :]
     y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded once, then silu
     tl.store(out_ptr + tokens[:, None] * channels + cols[None, :],
-             (y / (1.0 + tl.exp(-y))).to(out_ptr.dtype.element_ty),
+             tl.math.div_rn(y, 1.0 + tl.exp(-y)).to(out_ptr.dtype.element_ty),
              mask=t_ok[:, None] & c_ok[None, :])
 
 
@@ -187,7 +190,8 @@ def conv_prefill_(conv_state: torch.Tensor, x: torch.Tensor, weight: torch.Tenso
         _conv_prefill_kernel[(triton.cdiv(num_tokens, BLOCK_T), triton.cdiv(channels, BLOCK_C))](
             conv_state, x, weight, out, token_span, cu_seqlens, slots, initial,
             conv_state.stride(0), x.stride(0), num_tokens, channels,
-            WIDTH=width, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C)
+            WIDTH=width, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C,
+            num_warps=8)  # at 4, float32 inputs spill (255 registers; sm_90, compiled)
         if has_initial is not None:
             _conv_state_kernel[(len(slots), triton.cdiv(channels, BLOCK_C))](
                 conv_state, x, cu_seqlens, slots, initial, conv_state.stride(0), x.stride(0),

@@ -23,9 +23,10 @@ fixed parameter, not chosen from the lengths), the workspace's only on those; th
 and block tables are read on the device. A sequence of length 0 gets zeros.
 
 Head dims that are not a power of two (Qwen3-VL's tiny 48, 80, ...) run in tiles padded to
-the next one, masked. float32 inputs use IEEE dot products (no TF32), so float32 results
-agree with the reference at float32 rounding; bf16/fp16 probabilities are rounded to the
-values' dtype before the p.v product, as flash attention does.
+the next one, masked. float32 inputs use IEEE dot products (no TF32) and the divisions
+round to nearest (`div_rn`); exp2 is the hardware's approximate one (a few float32 ulps), so
+float32 results agree with the reference within a few ulps; bf16/fp16 probabilities are
+rounded to the values' dtype before the p.v product, as flash attention does.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def _split_kernel(
             m = m_new
         partial = (partial_ptr + seq.to(tl.int64) * stride_p_seq + heads * stride_p_head
                    + split * stride_p_split)
-        tl.store(partial[:, None] + dims[None, :], acc / l_sum[:, None],
+        tl.store(partial[:, None] + dims[None, :], tl.math.div_rn(acc, l_sum[:, None]),
                  mask=row_ok[:, None] & dim_ok[None, :])
         tl.store(partial + HEAD_DIM, m + tl.log2(l_sum), mask=row_ok)
 
@@ -149,7 +150,7 @@ def _merge_kernel(
     parts = tl.load(partial[:, None] + dims[None, :], mask=used[:, None] & dim_ok[None, :],
                     other=0.0)
     total = tl.sum(weight, 0)
-    out = tl.sum(weight[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)
+    out = tl.math.div_rn(tl.sum(weight[:, None] * parts, 0), tl.where(total > 0, total, 1.0))
     tl.store(out_ptr + seq.to(tl.int64) * stride_o_seq + head * stride_o_head + dims,
              out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
@@ -227,6 +228,9 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits,
         IEEE=q.dtype == torch.float32,
+        # float32's IEEE dots are FMA loops: at 4 warps they spill at d128 with GQA (255
+        # registers) and d256 (~10 KB); 8 warps hold them (sm_90, Triton 3.6, compiled)
+        num_warps=8 if q.dtype == torch.float32 else 4,
     )
     _merge_kernel[(num_seqs, num_heads)](
         workspace, seq_lens, out,
