@@ -32,7 +32,7 @@ def triton_norm(x: torch.Tensor):
 def _triton_module(device: torch.device):
     """The kernel module, after small runs on `device` checked against the torch form (a
     decoder's width across warps, a head's width in one; standard and zero-centred, with
-    and without the residual; inputs from a generator of its own, not the global one): a
+    and without the residual, and gated; inputs from a generator of its own, not the global one): a
     kernel that fails to compile or computes wrong turns itself off with a warning
     instead of failing (or corrupting) every step."""
     try:
@@ -59,6 +59,14 @@ def _triton_module(device: torch.device):
                     if not torch.allclose(got.float(), want.float(), atol=0.0,
                                           rtol=2 * torch.finfo(PROBE_DTYPE).eps):
                         raise RuntimeError("its probe disagrees with the torch form")
+            # gated (the Gated DeltaNet output norm): silu's exp adds a few float32 ulps
+            gate = torch.randn(3, width, generator=gen).to(device, PROBE_DTYPE)
+            got = rms_norm_triton.rms_norm(x, w, 1e-6, gate=gate)
+            h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+            want = ((h.to(x.dtype) * w).float() * F.silu(gate.float())).to(x.dtype)
+            if not torch.allclose(got.float(), want.float(), atol=0.0,
+                                  rtol=2 * torch.finfo(PROBE_DTYPE).eps):
+                raise RuntimeError("its gated probe disagrees with the torch form")
     except Exception as e:  # ImportError included: no Triton
         logger.warning("RMSNorm runs as torch ops on %s: the Triton kernel is off (%s)",
                        device, e)
@@ -131,6 +139,9 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        kernel = triton_norm(x)
+        if kernel is not None and gate.dtype == x.dtype == self.weight.dtype:
+            return kernel.rms_norm(x, self.weight, self.eps, gate=gate)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True).add_(self.eps))
         h = self.weight * h.to(x.dtype)

@@ -10,6 +10,8 @@ decodes) is bound by its launches. Here one program normalises one row:
     h = s * rsqrt(mean(s^2) + eps), statistics in fp32
     standard: (h rounded to the dtype) * w, rounded      (HF's Qwen2RMSNorm rounding)
     zero-centred (Qwen3.5): h * (1 + w) in fp32, rounded once
+    gated (Qwen3.5's Gated DeltaNet output): the standard form, then * silu(gate) in fp32,
+        rounded once (silu's exp is the hardware's approximate one)
 
 The only difference from the torch form is the order of the mean's sum (and rsqrt's last
 bit): a bf16 output can differ by one rounding where the fp32 value sits on a tie.
@@ -24,10 +26,11 @@ import triton.language as tl
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
-    stride_x, stride_residual, stride_out, stride_residual_out,
+    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, gate_ptr,
+    stride_x, stride_residual, stride_out, stride_residual_out, stride_gate,
     n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, ZERO_CENTERED: tl.constexpr, GATED: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -45,14 +48,19 @@ def _rms_norm_kernel(
         y = h * (w.to(tl.float32) + 1.0)
     else:
         y = h.to(x.dtype).to(tl.float32) * w.to(tl.float32)
+    if GATED:
+        gate = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
+        y = y.to(x.dtype).to(tl.float32) * tl.math.div_rn(gate, 1.0 + tl.exp(-gate))
     tl.store(out_ptr + row * stride_out + cols, y.to(x.dtype), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None, *, zero_centered: bool = False
+             residual: torch.Tensor | None = None, *, zero_centered: bool = False,
+             gate: torch.Tensor | None = None
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x [..., H] (rows may be strided, columns contiguous) -> norm(x) [..., H], or with
-    `residual`: (norm(x + residual), x + residual), both new tensors."""
+    `residual`: (norm(x + residual), x + residual), both new tensors; with `gate` (x's
+    shape): norm(x) * silu(gate)."""
     shape = x.shape
     rows = _rows(x)
     n, width = rows.shape
@@ -61,13 +69,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if residual is not None:
         res_in = _rows(residual)
         res_out = torch.empty_like(out)
+    gates = out if gate is None else _rows(gate)  # unused without a gate
     if n:
         block = triton.next_power_of_2(width)
         _rms_norm_kernel[(n,)](
-            rows, res_in, weight, out, res_out,
+            rows, res_in, weight, out, res_out, gates,
             rows.stride(0), res_in.stride(0), out.stride(0), res_out.stride(0),
-            width, eps,
-            HAS_RESIDUAL=residual is not None, ZERO_CENTERED=zero_centered, BLOCK=block,
+            gates.stride(0), width, eps,
+            HAS_RESIDUAL=residual is not None, ZERO_CENTERED=zero_centered,
+            GATED=gate is not None, BLOCK=block,
             num_warps=min(max(block // 256, 1), 8),
         )
     if residual is None:

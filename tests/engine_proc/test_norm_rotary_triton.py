@@ -58,6 +58,25 @@ def test_rms_norm_matches_its_torch_form(dtype, width, residual, norm_class):
 
 
 @pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("width", [32, 128])
+def test_gated_rms_norm_matches_its_torch_form(dtype, width):
+    """The Gated DeltaNet output norm, norm(x) * silu(gate): within one rounding (silu's
+    exp is the hardware's approximate one in the kernel)."""
+    from engine_proc.layers.rms_norm import GatedRMSNorm
+
+    norm = GatedRMSNorm(width, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(width, generator=torch.Generator().manual_seed(3)))
+    x, gate = _rows(13, width, dtype, seed=1), _rows(13, width, dtype, seed=2)
+    expected = norm(x, gate)  # a CPU tensor in 16 bits: torch's ops
+    got = rms_norm_triton.rms_norm(x.to(DEVICE), norm.weight.to(DEVICE), norm.eps,
+                                   gate=gate.to(DEVICE))
+    torch.testing.assert_close(got.cpu().float(), expected.float(), atol=0.0,
+                               rtol=torch.finfo(dtype).eps)
+    assert (got.cpu() == expected).float().mean() > 0.98
+
+
+@pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("heads,head_dim", [(10, 64), (3, 128), (6, 80)])
 def test_rotary_is_bit_identical_to_its_torch_form(dtype, heads, head_dim):
     g = torch.Generator().manual_seed(0)
