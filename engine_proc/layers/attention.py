@@ -42,7 +42,6 @@ but 0 * NaN in the value product would still poison the output.
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -50,11 +49,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_proc.context import Context
-from engine_proc.layers import paged_attention_cpu
+from engine_proc.layers import kernel_check, paged_attention_cpu
 from engine_proc.layers.varlen_attention import varlen_kernel, varlen_reference
-
-logger = logging.getLogger(__name__)
-PROBE_DTYPE = torch.bfloat16  # the GPU kernels' first-use checks run in serving's dtype
 
 
 @dataclass
@@ -283,28 +279,27 @@ def triton_decode(device: torch.device):
 
 @functools.cache
 def _triton_decode_module(device: torch.device):
-    """The module, after one small run on `device` (PROBE_DTYPE, GQA, two sequences across
-    blocks) against the reference: a kernel that fails to compile or computes wrong turns
-    itself off with a warning instead of failing every decode."""
-    try:
-        from engine_proc.layers import paged_decode_attention_triton
-        from engine_proc.layers.paged_decode_attention_ref import paged_decode_attention_ref
+    return kernel_check.checked(lambda: _probe_decode(device), device,
+                                "decode attention gathers the KV cache",
+                                "the paged Triton kernel is")
 
-        gen = torch.Generator().manual_seed(0)  # not the global generator sampling uses
-        k_cache, v_cache = (torch.randn(6, 16, 2, 64, generator=gen).to(device, PROBE_DTYPE)
-                            for _ in range(2))
-        q = torch.randn(2, 8, 64, generator=gen).to(device, PROBE_DTYPE)
-        tables = torch.tensor([[4, 1, 3], [0, -1, -1]], dtype=torch.int32, device=device)
-        lens = torch.tensor([40, 5], dtype=torch.int32, device=device)
-        got = paged_decode_attention_triton.paged_decode_attention(q, k_cache, v_cache, tables,
-                                                                   lens, 0.125)
-        want = paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.125)
-        if not torch.allclose(got.float(), want.float(), rtol=0.02, atol=0.02):
-            raise RuntimeError("its probe disagrees with the reference")
-    except Exception as e:  # ImportError included: no Triton
-        logger.warning("decode attention gathers the KV cache on %s: the paged Triton kernel "
-                       "is off (%s)", device, e)
-        return None
+
+def _probe_decode(device: torch.device):
+    """The module after one small run (PROBE_DTYPE, GQA, two sequences across blocks)
+    against the reference."""
+    from engine_proc.layers import paged_decode_attention_triton
+    from engine_proc.layers.paged_decode_attention_ref import paged_decode_attention_ref
+
+    gen, dtype = kernel_check.generator(), kernel_check.PROBE_DTYPE
+    k_cache, v_cache = (torch.randn(6, 16, 2, 64, generator=gen).to(device, dtype)
+                        for _ in range(2))
+    q = torch.randn(2, 8, 64, generator=gen).to(device, dtype)
+    tables = torch.tensor([[4, 1, 3], [0, -1, -1]], dtype=torch.int32, device=device)
+    lens = torch.tensor([40, 5], dtype=torch.int32, device=device)
+    got = paged_decode_attention_triton.paged_decode_attention(q, k_cache, v_cache, tables,
+                                                               lens, 0.125)
+    want = paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.125)
+    kernel_check.agree(torch.allclose(got.float(), want.float(), rtol=0.02, atol=0.02))
     return paged_decode_attention_triton
 
 

@@ -27,7 +27,6 @@ apart per part, and out_proj is row parallel.
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -37,7 +36,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from engine_proc.context import Context
 from engine_proc.distributed import REPLICATED, Shard
-from engine_proc.layers import gated_delta_rule_cpu, gated_delta_rule_fla
+from engine_proc.layers import gated_delta_rule_cpu, gated_delta_rule_fla, kernel_check
 from engine_proc.layers.gated_delta_rule import (
     causal_conv,
     causal_conv_step,
@@ -47,8 +46,6 @@ from engine_proc.layers.gated_delta_rule import (
 from engine_proc.layers.linear import MergedLinear, RowParallelLinear
 from engine_proc.layers.rms_norm import GatedRMSNorm
 from shared.model_config import TextConfig
-
-logger = logging.getLogger(__name__)
 
 RECURRENT_MAX_TOKENS = 8  # prefill chunks this short run token by token
 # Longer chunks of one step run the chunked rule together, zero-padded to the longest of
@@ -334,41 +331,39 @@ def decode_kernels(ssm_state: torch.Tensor, conv_state: torch.Tensor):
 
 @functools.cache
 def _triton_kernels(device: torch.device):
-    """The Triton decode kernels, after one small run on `device` (two slots of three,
-    out of order) against the torch forms: kernels that fail to compile or compute wrong
-    turn themselves off with a warning instead of failing every decode."""
-    try:
-        from engine_proc.layers import gated_delta_rule_triton as kernels
+    return kernel_check.checked(lambda: _probe_kernels(device), device,
+                                "Gated DeltaNet decodes gather and scatter their states",
+                                "the Triton kernels are")
 
-        gen = torch.Generator().manual_seed(0)  # not the global generator sampling uses
 
-        def randn(*shape):
-            return torch.randn(*shape, generator=gen).to(device)
+def _probe_kernels(device: torch.device):
+    """The Triton decode kernels after one small run (two slots of three, out of order)
+    against the torch forms."""
+    from engine_proc.layers import gated_delta_rule_triton as kernels
 
-        slots = torch.tensor([2, 0], device=device)
-        state = randn(3, 2, 32, 32)
-        q, k = (torch.nn.functional.normalize(randn(2, 1, 32), dim=-1) for _ in range(2))
-        v = randn(2, 2, 32)
-        g, beta = -randn(2, 2).abs(), randn(2, 2).sigmoid()
-        want, want_state = recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None],
-                                                      g[:, None], beta[:, None],
-                                                      initial_state=state[slots])
-        out = torch.empty(2, 2, 32, device=device)
-        kernels.gated_delta_rule_decode_(state, slots, q, k, v, g, beta, out)
-        conv = randn(3, 3, 48)
-        weight, x = randn(48, 4), randn(2, 48)
-        conv_want, conv_state = causal_conv_step(x, weight, conv[slots])
-        conv_out = torch.empty(2, 48, device=device)
-        kernels.conv_decode_(conv, slots, x, weight, conv_out)
-        close = all(torch.allclose(a, b, rtol=1e-3, atol=1e-3) for a, b in (
-            (out, want[:, 0]), (state[slots], want_state), (conv_out, conv_want),
-            (conv[slots], conv_state)))
-        if not close:
-            raise RuntimeError("their probe disagrees with the torch forms")
-    except Exception as e:  # ImportError included: no Triton
-        logger.warning("Gated DeltaNet decodes gather and scatter their states on %s: the "
-                       "Triton kernels are off (%s)", device, e)
-        return None
+    gen = kernel_check.generator()
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(device)
+
+    slots = torch.tensor([2, 0], device=device)
+    state = randn(3, 2, 32, 32)
+    q, k = (F.normalize(randn(2, 1, 32), dim=-1) for _ in range(2))
+    v = randn(2, 2, 32)
+    g, beta = -randn(2, 2).abs(), randn(2, 2).sigmoid()
+    want, want_state = recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None],
+                                                  g[:, None], beta[:, None],
+                                                  initial_state=state[slots])
+    out = torch.empty(2, 2, 32, device=device)
+    kernels.gated_delta_rule_decode_(state, slots, q, k, v, g, beta, out)
+    conv = randn(3, 3, 48)
+    weight, x = randn(48, 4), randn(2, 48)
+    conv_want, conv_state = causal_conv_step(x, weight, conv[slots])
+    conv_out = torch.empty(2, 48, device=device)
+    kernels.conv_decode_(conv, slots, x, weight, conv_out)
+    kernel_check.agree(all(torch.allclose(a, b, rtol=1e-3, atol=1e-3) for a, b in (
+        (out, want[:, 0]), (state[slots], want_state), (conv_out, conv_want),
+        (conv[slots], conv_state))), "their probe disagrees with the torch forms")
     return kernels
 
 

@@ -17,6 +17,8 @@ import logging
 
 import torch
 
+from engine_proc.layers import kernel_check
+
 logger = logging.getLogger(__name__)
 
 
@@ -44,46 +46,43 @@ def prefill_rule(device: torch.device, dims: tuple[int, int, int, int] = PROBE_D
 
 @functools.cache
 def _checked_rule(device: torch.device, dims: tuple[int, int, int, int] = PROBE_DIMS):
-    """FLA's rule after one small run through `prefill_` on `device` at the layer's dims
-    (so its kernels compile, and tune, for them at start: two chunks of 7 and 13 tokens,
-    one from its slot's state, one from zeros; bf16 inputs, fp32 states) against the torch
-    form: a rule that fails or computes wrong is off with a warning, and prefills run the
-    torch form instead of failing."""
     rule = chunk_rule()
     if rule is None:
         return None
+    return kernel_check.checked(lambda: _probe_rule(rule, device, dims), device,
+                                "Gated DeltaNet prefills run the torch rule",
+                                "flash-linear-attention's is")
+
+
+def _probe_rule(rule, device: torch.device, dims: tuple[int, int, int, int]):
+    """FLA's rule after one small run through `prefill_` at the layer's dims (so its
+    kernels compile, and tune, for them at start): two chunks of 7 and 13 tokens, one from
+    its slot's state, one from zeros; bf16 inputs, fp32 states; against the torch form."""
     from engine_proc.layers.gated_delta_rule import chunk_gated_delta_rule
 
-    try:
-        gen = torch.Generator().manual_seed(0)  # not the global generator sampling uses
+    gen = kernel_check.generator()
 
-        def rand(*shape, normal=True):
-            return (torch.randn if normal else torch.rand)(*shape, generator=gen).to(device)
+    def rand(*shape, normal=True):
+        return (torch.randn if normal else torch.rand)(*shape, generator=gen).to(device)
 
-        hk, hv, dk, dv = dims
-        q, k = (rand(20, hk, dk).to(torch.bfloat16) for _ in range(2))
-        v = rand(20, hv, dv).to(torch.bfloat16)
-        g = -rand(20, hv, normal=False)
-        beta = rand(20, hv, normal=False).to(torch.bfloat16)
-        states = rand(3, hv, dk, dv) * 0.1
-        before = states.clone()
-        cu = torch.tensor([0, 7, 20], device=device)
-        slots = torch.tensor([2, 0], device=device)
-        out = torch.empty_like(v)
-        prefill_(rule, states, 0, cu, slots, torch.tensor([True, False], device=device),
-                 q, k, v, g, beta, out)
-        agree = True
-        for (start, end), slot, initial in (((0, 7), 2, before[2][None]), ((7, 20), 0, None)):
-            want, final = chunk_gated_delta_rule(*(x[None, start:end] for x in (q, k, v, g, beta)),
-                                                 initial_state=initial)
-            agree &= torch.allclose(out[start:end].float(), want[0].float(), rtol=0.05, atol=0.05)
-            agree &= torch.allclose(states[slot], final[0], rtol=0.05, atol=0.05)
-        if not agree:
-            raise RuntimeError("its probe disagrees with the torch form")
-    except Exception as e:
-        logger.warning("Gated DeltaNet prefills run the torch rule on %s: flash-linear-"
-                       "attention's is off (%s)", device, e)
-        return None
+    hk, hv, dk, dv = dims
+    q, k = (rand(20, hk, dk).to(torch.bfloat16) for _ in range(2))
+    v = rand(20, hv, dv).to(torch.bfloat16)
+    g = -rand(20, hv, normal=False)
+    beta = rand(20, hv, normal=False).to(torch.bfloat16)
+    states = rand(3, hv, dk, dv) * 0.1
+    before = states.clone()
+    cu = torch.tensor([0, 7, 20], device=device)
+    slots = torch.tensor([2, 0], device=device)
+    out = torch.empty_like(v)
+    prefill_(rule, states, 0, cu, slots, torch.tensor([True, False], device=device),
+             q, k, v, g, beta, out)
+    for (start, end), slot, initial in (((0, 7), 2, before[2][None]), ((7, 20), 0, None)):
+        want, final = chunk_gated_delta_rule(*(x[None, start:end] for x in (q, k, v, g, beta)),
+                                             initial_state=initial)
+        kernel_check.agree(
+            torch.allclose(out[start:end].float(), want[0].float(), rtol=0.05, atol=0.05)
+            and torch.allclose(states[slot], final[0], rtol=0.05, atol=0.05))
     return rule
 
 

@@ -7,17 +7,14 @@ is the reference of both."""
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_proc.layers import rms_norm_cpu
+from engine_proc.layers import kernel_check, rms_norm_cpu
 
-logger = logging.getLogger(__name__)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
-PROBE_DTYPE = torch.bfloat16  # the kernel's first-use check runs in serving's dtype
 
 
 def triton_norm(x: torch.Tensor):
@@ -30,48 +27,43 @@ def triton_norm(x: torch.Tensor):
 
 @functools.cache
 def _triton_module(device: torch.device):
-    """The kernel module, after small runs on `device` checked against the torch form (a
-    decoder's width across warps, a head's width in one; standard and zero-centred, with
-    and without the residual, and gated; inputs from a generator of its own, not the global one): a
-    kernel that fails to compile or computes wrong turns itself off with a warning
-    instead of failing (or corrupting) every step."""
-    try:
-        from engine_proc.layers import rms_norm_triton
+    return kernel_check.checked(lambda: _probe(device), device, "RMSNorm runs as torch ops",
+                                "the Triton kernel is")
 
-        gen = torch.Generator().manual_seed(0)
-        for width in (1536, 128):
-            x, r = (torch.randn(3, width, generator=gen).to(device, PROBE_DTYPE)
-                    for _ in range(2))
-            w = torch.rand(width, generator=gen).to(device, PROBE_DTYPE)
-            for zero_centered in (False, True):
-                for residual in (None, r):
-                    got = rms_norm_triton.rms_norm(x, w, 1e-6, residual,
-                                                   zero_centered=zero_centered)
-                    if residual is not None:
-                        got, summed = got
-                        if not torch.equal(summed, x + r):
-                            raise RuntimeError("its residual sum disagrees with torch's")
-                    h = (x if residual is None else x + r).float()
-                    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
-                    want = ((h * (w.float() + 1.0)).to(x.dtype) if zero_centered
-                            else h.to(x.dtype) * w)
-                    # rsqrt against 1 / sqrt: a bf16 ulp on h, two on h * w at most
-                    if not torch.allclose(got.float(), want.float(), atol=0.0,
-                                          rtol=2 * torch.finfo(PROBE_DTYPE).eps):
-                        raise RuntimeError("its probe disagrees with the torch form")
-            # gated (the Gated DeltaNet output norm): silu's exp adds a few float32 ulps
-            gate = torch.randn(3, width, generator=gen).to(device, PROBE_DTYPE)
-            got = rms_norm_triton.rms_norm(x, w, 1e-6, gate=gate)
-            h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
-            want = ((h.to(x.dtype) * w).float() * F.silu(gate.float())).to(x.dtype)
-            if not torch.allclose(got.float(), want.float(), atol=0.0,
-                                  rtol=2 * torch.finfo(PROBE_DTYPE).eps):
-                raise RuntimeError("its gated probe disagrees with the torch form")
-    except Exception as e:  # ImportError included: no Triton
-        logger.warning("RMSNorm runs as torch ops on %s: the Triton kernel is off (%s)",
-                       device, e)
-        return None
+
+def _probe(device: torch.device):
+    """The kernel module after small runs against the torch form: a decoder's width across
+    warps and a head's in one; standard and zero-centred, with and without the residual,
+    and gated."""
+    from engine_proc.layers import rms_norm_triton
+
+    gen, dtype = kernel_check.generator(), kernel_check.PROBE_DTYPE
+    rtol = 2 * torch.finfo(dtype).eps  # rsqrt against 1 / sqrt: an ulp on h, two on h * w
+    for width in (1536, 128):
+        x, r, gate = (torch.randn(3, width, generator=gen).to(device, dtype) for _ in range(3))
+        w = torch.rand(width, generator=gen).to(device, dtype)
+        for zero_centered in (False, True):
+            for residual in (None, r):
+                got = rms_norm_triton.rms_norm(x, w, 1e-6, residual, zero_centered=zero_centered)
+                if residual is not None:
+                    got, summed = got
+                    kernel_check.agree(torch.equal(summed, x + r),
+                                       "its residual sum disagrees with torch's")
+                h = _normalized(x if residual is None else x + r)
+                want = (h * (w.float() + 1.0)).to(dtype) if zero_centered else h.to(dtype) * w
+                kernel_check.agree(torch.allclose(got.float(), want.float(), atol=0.0,
+                                                  rtol=rtol))
+        # gated (the Gated DeltaNet output norm): silu's exp adds a few float32 ulps
+        got = rms_norm_triton.rms_norm(x, w, 1e-6, gate=gate)
+        want = ((_normalized(x).to(dtype) * w).float() * F.silu(gate.float())).to(dtype)
+        kernel_check.agree(torch.allclose(got.float(), want.float(), atol=0.0, rtol=rtol))
     return rms_norm_triton
+
+
+def _normalized(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / rms(x) in float32: the statistics every form here shares."""
+    h = x.float()
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True).add_(eps))
 
 
 class RMSNorm(nn.Module):
@@ -90,8 +82,7 @@ class RMSNorm(nn.Module):
             # widths 64-5120), one pass instead of five (~25% faster on 5,476 x 128)
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Statistics in fp32, scale applied in the input dtype: the same rounding as HF.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True).add_(self.eps))
+        h = _normalized(x, self.eps)
         return h.to(x.dtype).mul_(self.weight)  # h is a temporary: scale it in place
 
     def forward(
@@ -124,8 +115,7 @@ class ZeroCenteredRMSNorm(RMSNorm):
         nn.init.zeros_(self.weight)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True).add_(self.eps))
+        h = _normalized(x, self.eps)
         return h.mul_(self.weight.float() + 1.0).to(x.dtype)
 
 
@@ -142,7 +132,5 @@ class GatedRMSNorm(nn.Module):
         kernel = triton_norm(x)
         if kernel is not None and gate.dtype == x.dtype == self.weight.dtype:
             return kernel.rms_norm(x, self.weight, self.eps, gate=gate)
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True).add_(self.eps))
-        h = self.weight * h.to(x.dtype)
-        return (h * torch.nn.functional.silu(gate.float())).to(x.dtype)
+        h = self.weight * _normalized(x, self.eps).to(x.dtype)
+        return (h * F.silu(gate.float())).to(x.dtype)

@@ -9,15 +9,11 @@ x*cos + rotate_half(x)*sin.
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 from torch import nn
 
-from engine_proc.layers import rotary_cpu
-
-logger = logging.getLogger(__name__)
-PROBE_DTYPE = torch.bfloat16  # the kernel's first-use check runs in serving's dtype
+from engine_proc.layers import kernel_check, rotary_cpu
 
 
 def _inv_freq(dim: int, base: float) -> torch.Tensor:
@@ -33,6 +29,11 @@ def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     kernel = triton_rotary(x, cos, sin)
     if kernel is not None:
         return kernel.rotate_(x, cos, sin)
+    return _rotate_torch_(x, cos, sin)
+
+
+def _rotate_torch_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The torch form: the kernels' reference."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     cos = cos.unsqueeze(-2)
@@ -57,24 +58,21 @@ def triton_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
 
 @functools.cache
 def _triton_module(device: torch.device):
-    try:
-        from engine_proc.layers import rotary_triton
+    return kernel_check.checked(lambda: _probe(device), device, "rotary runs as torch ops",
+                                "the Triton kernel is")
 
-        gen = torch.Generator().manual_seed(0)  # not the global generator sampling uses
-        x = torch.randn(4, 5, 64, generator=gen).to(device, PROBE_DTYPE)
-        angles = torch.rand(4, 32, generator=gen).to(device) * 20
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-        got = rotary_triton.rotate_(x.clone()[:, :3], cos, sin)
-        half = 32
-        x1, x2 = x[:, :3, :half], x[:, :3, half:]
-        c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        want = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-        if not torch.equal(got, want):
-            raise RuntimeError("its probe is not bit-identical to the torch form")
-    except Exception as e:  # ImportError included: no Triton
-        logger.warning("rotary runs as torch ops on %s: the Triton kernel is off (%s)",
-                       device, e)
-        return None
+
+def _probe(device: torch.device):
+    """The kernel module after one small run, bit-identical to the torch form."""
+    from engine_proc.layers import rotary_triton
+
+    gen = kernel_check.generator()
+    x = torch.randn(4, 5, 64, generator=gen).to(device, kernel_check.PROBE_DTYPE)
+    angles = torch.rand(4, 32, generator=gen).to(device) * 20
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    got = rotary_triton.rotate_(x.clone()[:, :3], cos, sin)
+    want = _rotate_torch_(x.clone()[:, :3], cos, sin)
+    kernel_check.agree(torch.equal(got, want), "its probe is not bit-identical to the torch form")
     return rotary_triton
 
 

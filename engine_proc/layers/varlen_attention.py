@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-logger = logging.getLogger(__name__)
+from engine_proc.layers import kernel_check
+
 VarlenFn = Callable[..., torch.Tensor]
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -42,28 +42,26 @@ def varlen_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> Va
 
 @functools.cache
 def _checked_flash(device: torch.device) -> VarlenFn | None:
-    """`_flash()` after one small run on `device` against the reference (GQA, a causal chunk
-    after cached keys): a kernel that fails or computes wrong turns itself off with a
-    warning, and callers keep their SDPA paths."""
     flash = _flash()
     if flash is None:
         return None
-    try:
-        gen = torch.Generator().manual_seed(0)  # not the global generator sampling uses
-        q = torch.randn(5, 4, 64, generator=gen).to(device, torch.bfloat16)
-        k, v = (torch.randn(9, 2, 64, generator=gen).to(device, torch.bfloat16)
-                for _ in range(2))
-        cu_q = torch.tensor([0, 2, 5], dtype=torch.int32, device=device)
-        cu_k = torch.tensor([0, 4, 9], dtype=torch.int32, device=device)
-        got = flash(q, k, v, cu_q, cu_k, 3, 5, scale=0.125, causal=True)
-        want = varlen_reference(q.float(), k.float(), v.float(), cu_q, cu_k, 3, 5, scale=0.125,
-                                causal=True)
-        if not torch.allclose(got.float(), want, rtol=0.02, atol=0.02):
-            raise RuntimeError("its probe disagrees with the reference")
-    except Exception as e:
-        logger.warning("varlen attention runs through SDPA on %s: FlashAttention's varlen "
-                       "call is off (%s)", device, e)
-        return None
+    return kernel_check.checked(lambda: _probe_flash(flash, device), device,
+                                "varlen attention runs through SDPA",
+                                "FlashAttention's varlen call is")
+
+
+def _probe_flash(flash: VarlenFn, device: torch.device) -> VarlenFn:
+    """`flash` after one small run (GQA, a causal chunk after cached keys) against the
+    reference."""
+    gen = kernel_check.generator()
+    q = torch.randn(5, 4, 64, generator=gen).to(device, torch.bfloat16)
+    k, v = (torch.randn(9, 2, 64, generator=gen).to(device, torch.bfloat16) for _ in range(2))
+    cu_q = torch.tensor([0, 2, 5], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 4, 9], dtype=torch.int32, device=device)
+    got = flash(q, k, v, cu_q, cu_k, 3, 5, scale=0.125, causal=True)
+    want = varlen_reference(q.float(), k.float(), v.float(), cu_q, cu_k, 3, 5, scale=0.125,
+                            causal=True)
+    kernel_check.agree(torch.allclose(got.float(), want, rtol=0.02, atol=0.02))
     return flash
 
 

@@ -16,6 +16,7 @@ from engine_proc.layers import (  # noqa: E402
     attention,
     gated_delta_net,
     gated_delta_rule_triton,
+    kernel_check,
     paged_decode_attention_triton,
     rms_norm,
     rms_norm_triton,
@@ -43,8 +44,8 @@ PROBES = {
 @pytest.fixture
 def probe(request, monkeypatch):
     owner, name, module, entry = PROBES[request.param]
-    if not ON_CUDA and hasattr(owner, "PROBE_DTYPE"):
-        monkeypatch.setattr(owner, "PROBE_DTYPE", torch.float16)
+    if not ON_CUDA:  # the interpreter's bfloat16 is not the card's
+        monkeypatch.setattr(kernel_check, "PROBE_DTYPE", torch.float16)
     lookup = getattr(owner, name)
     lookup.cache_clear()
     yield lookup, module, entry

@@ -120,8 +120,11 @@ def test_one_token_spans_not_flagged_all_decode_take_the_decode_path():
     assert [p.kind for p in meta.parts] == ["decode"]
 
 
-@pytest.mark.parametrize("host_lens", [False, True])
-def test_without_cache_each_sequence_sees_only_itself(host_lens):
+@pytest.mark.parametrize("host_lens,varlen", [(False, False), (True, False), (True, True)])
+def test_without_cache_each_sequence_sees_only_itself(host_lens, varlen, monkeypatch):
+    """Padded, one SDPA call per sequence, or (varlen) one packed call as on a GPU."""
+    if varlen:
+        _varlen_through_the_reference(monkeypatch)
     torch.manual_seed(0)
     attn = Attention(HEADS, KV_HEADS, DIM)
     lens = [5, 1, 8]
@@ -139,7 +142,8 @@ def test_without_cache_each_sequence_sees_only_itself(host_lens):
     if host_lens:
         ctx.q_lens_host = ctx.seq_lens_host = lens
     meta = build_attention_metadata(ctx, q.shape[0], 0, q.dtype)
-    assert [p.kind for p in meta.parts] == ["seqs" if host_lens else "padded"]
+    assert [p.kind for p in meta.parts] == [
+        "varlen" if varlen else "seqs" if host_lens else "padded"]
     out = attn(q, k, v, meta)
     expected = torch.cat(
         [_reference(*(t[a:b] for t in (q, k, v))) for a, b in ((0, 5), (5, 6), (6, 14))]
@@ -147,8 +151,7 @@ def test_without_cache_each_sequence_sees_only_itself(host_lens):
     torch.testing.assert_close(out, expected, **_bound(max(lens)))
 
 
-@pytest.fixture
-def varlen_on_cpu(monkeypatch):
+def _varlen_through_the_reference(monkeypatch):
     """Prefill chunks take the varlen part on the CPU, through the SDPA reference: the
     part's offsets and key gather index are what a GPU's FlashAttention call would read."""
     from engine_proc.layers import attention, varlen_attention
@@ -156,9 +159,10 @@ def varlen_on_cpu(monkeypatch):
                         lambda device, dtype, head_dim: varlen_attention.varlen_reference)
 
 
-def test_varlen_prefill_parts_match_reference(varlen_on_cpu):
+def test_varlen_prefill_parts_match_reference(monkeypatch):
     """First chunks (their own keys), later chunks after cached keys (gathered through the
     block tables, out of order), and decodes before them, in one packed call."""
+    _varlen_through_the_reference(monkeypatch)
     torch.manual_seed(0)
     cache = _Cache(Attention(HEADS, KV_HEADS, DIM))
     for spans, key_index in (
@@ -173,20 +177,3 @@ def test_varlen_prefill_parts_match_reference(varlen_on_cpu):
         varlen = meta.parts[-1]
         assert varlen.kind == "varlen" and (varlen.key_index is not None) == key_index
         assert [p.kind for p in meta.parts[:-1]] == (["decode"] if num_decodes else [])
-
-
-def test_varlen_without_cache_each_sequence_sees_only_itself(varlen_on_cpu):
-    torch.manual_seed(0)
-    attn = Attention(HEADS, KV_HEADS, DIM)
-    lens = [5, 1, 8]
-    q = torch.randn(sum(lens), HEADS, DIM)
-    k, v = torch.randn(sum(lens), KV_HEADS, DIM), torch.randn(sum(lens), KV_HEADS, DIM)
-    ctx = Context(torch.tensor([0, 5, 6, 14], dtype=torch.int32),
-                  torch.tensor(lens, dtype=torch.int32), torch.zeros(0, dtype=torch.int64),
-                  torch.zeros(3, 0, dtype=torch.int32), max_q_len=8, max_seq_len=8)
-    ctx.q_lens_host = ctx.seq_lens_host = lens
-    meta = build_attention_metadata(ctx, q.shape[0], 0, q.dtype)
-    assert [p.kind for p in meta.parts] == ["varlen"]
-    expected = torch.cat(
-        [_reference(*(t[a:b] for t in (q, k, v))) for a, b in ((0, 5), (5, 6), (6, 14))])
-    torch.testing.assert_close(attn(q, k, v, meta), expected, **_bound(max(lens)))
