@@ -51,12 +51,13 @@ class _HostLayout:
 @dataclass
 class VisionLayout:
     pos_hw: torch.Tensor
-    window_gather: torch.Tensor
-    window_scatter: torch.Tensor
-    window_mask: torch.Tensor | None  # additive [W, 1, 1, L]
     image_sizes: tuple[int, ...]
-    # where a varlen kernel runs: the windows packed without padding (patches in window
-    # order, and back), and the images' spans for the full-attention blocks
+    # SDPA over windows padded to the longest, masked
+    window_gather: torch.Tensor | None = None
+    window_scatter: torch.Tensor | None = None
+    window_mask: torch.Tensor | None = None  # additive [W, 1, 1, L]
+    # where a varlen kernel runs instead: the windows packed without padding (patches in
+    # window order, and back), and the images' spans for the full-attention blocks
     window_spans: VarlenSpans | None = None
     window_order: torch.Tensor | None = None
     window_inverse: torch.Tensor | None = None
@@ -172,29 +173,34 @@ class Qwen2_5_VisionTransformer(VisionTower):
     def layout(self, grids: Grids, dtype: torch.dtype) -> VisionLayout:
         host = host_layout(grids, self.merge, self.window_units)
         self.rotary.ensure_side(host.max_side)
-        packed = np.concatenate(
-            [host.pos_hw.reshape(-1), host.window_gather.reshape(-1), host.window_scatter]
-        )
-        flat = to_device(packed, self.device)
-        n_pos, n_gather = host.pos_hw.size, host.window_gather.size
+        n_pos = host.pos_hw.size
+        window_spans = self.varlen_spans(dtype, host.window_lengths)
+        if window_spans is not None:
+            # the windows packed without padding: patches in the padded layout's order (its
+            # padding slots hold no patch), and back; one copy with the positions
+            order = np.argsort(host.window_scatter, kind="stable")
+            flat = to_device(np.concatenate([host.pos_hw.reshape(-1), order, np.argsort(order)]),
+                             self.device)
+            window_order, window_inverse = flat[n_pos:].split(len(order))
+            return VisionLayout(
+                pos_hw=flat[:n_pos].view(-1, 2), image_sizes=host.image_sizes,
+                window_spans=window_spans, window_order=window_order,
+                window_inverse=window_inverse,
+                image_spans=self.varlen_spans(dtype, np.asarray(host.image_sizes)))
+        flat = to_device(np.concatenate(
+            [host.pos_hw.reshape(-1), host.window_gather.reshape(-1), host.window_scatter]),
+            self.device)
+        n_gather = host.window_gather.size
         mask = None
         if host.window_valid is not None:
             valid = to_device(host.window_valid, self.device)
             mask = torch.zeros(valid.shape, dtype=dtype, device=self.device)
             mask.masked_fill_(~valid, float("-inf"))
             mask = mask[:, None, None, :]
-        layout = VisionLayout(
+        return VisionLayout(
             pos_hw=flat[:n_pos].view(-1, 2),
+            image_sizes=host.image_sizes,
             window_gather=flat[n_pos : n_pos + n_gather].view(host.window_gather.shape),
             window_scatter=flat[n_pos + n_gather :],
             window_mask=mask,
-            image_sizes=host.image_sizes,
-            window_spans=self.varlen_spans(dtype, host.window_lengths),
         )
-        if layout.window_spans is not None:
-            # padded slots sort after no patch: the scatter order is the windows packed
-            order = np.argsort(host.window_scatter, kind="stable")
-            packed = to_device(np.concatenate([order, np.argsort(order)]), self.device)
-            layout.window_order, layout.window_inverse = packed.split(len(order))
-            layout.image_spans = self.varlen_spans(dtype, np.asarray(host.image_sizes))
-        return layout
