@@ -25,7 +25,7 @@ import torch
 from engine_proc.cuda_graphs import DecodeGraphs, DecodePadding
 from engine_proc.distributed import all_reduce_min, tp_shard
 from engine_proc.encoder_cache import EncoderCache
-from engine_proc.layers import gated_delta_rule_fla, paged_attention_cpu, rms_norm_cpu, rotary_cpu
+from engine_proc.layers import paged_attention_cpu, rms_norm_cpu, rotary_cpu
 from engine_proc.layers.attention import triton_decode
 from engine_proc.layers.packed_linear import pack_linear_weights
 from engine_proc.layers.rms_norm import triton_norm
@@ -243,18 +243,13 @@ class ModelRunner:
     def _check_gpu_kernels(self) -> None:
         """Each GPU kernel's first-use check (a small run against its torch form, and its
         compile) at start rather than in the first requests' time; the log names any that
-        turned itself off. Qwen3.5's decode kernels were checked when its states were
-        assigned."""
+        turned itself off. Qwen3.5's kernels were checked when its states were assigned
+        (GatedDeltaNet.use_states)."""
         x = torch.zeros(1, 1, 64, device=self.device, dtype=self.dtype)
         triton_norm(x)
         triton_rotary(x, x[:, 0, :32], x[:, 0, :32])
         triton_decode(self.device)
         varlen_kernel(self.device, self.dtype, self.config.text.head_dim)
-        if self.state_shape is not None:
-            text, ranks = self.config.text, tp_shard().size
-            gated_delta_rule_fla.prefill_rule(self.device, (
-                text.linear_num_key_heads // ranks, text.linear_num_value_heads // ranks,
-                text.linear_key_head_dim, text.linear_value_head_dim))
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (the runner is unusable after)."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -80,28 +81,36 @@ class StateMetadata:
         self.short = [sp for sp in self.spans if sp.end - sp.start <= RECURRENT_MAX_TOKENS]
         self.groups = _padding_groups(
             [sp for sp in self.spans if sp.end - sp.start > RECURRENT_MAX_TOKENS])
-        self._span_tensors: tuple | None = None
-        self._token_spans: torch.Tensor | None = None
+        self._on_device: tuple | None = None
 
     def span_tensors(self, device: torch.device) -> tuple:
         """(cu_seqlens int64 [N+1] from the first span's start, slots int64 [N], has_initial
         bool [N] or None when no state is kept) on `device`, built once for all layers."""
-        if self._span_tensors is None:
-            first = self.spans[0].start
-            cu = torch.tensor([first] + [sp.end for sp in self.spans]) - first
-            slots = torch.tensor([max(sp.slot, 0) for sp in self.spans])
-            initial = torch.tensor([sp.has_initial_state for sp in self.spans])
-            self._span_tensors = (cu.to(device), slots.to(device),
-                                  initial.to(device) if self.keep else None)
-        return self._span_tensors
+        return self._device_tensors(device)[:3]
 
     def token_spans(self, device: torch.device) -> torch.Tensor:
         """int32 [prefill tokens]: each prefill token's span, built once for all layers."""
-        if self._token_spans is None:
-            lengths = torch.tensor([sp.end - sp.start for sp in self.spans])
-            spans = torch.repeat_interleave(torch.arange(len(self.spans)), lengths)
-            self._token_spans = spans.to(torch.int32).to(device)
-        return self._token_spans
+        return self._device_tensors(device)[3]
+
+    def _device_tensors(self, device: torch.device) -> tuple:
+        """All four in one copy, from pinned memory on a GPU (a copy from pageable memory
+        would wait for the work already queued)."""
+        if self._on_device is None:
+            n = len(self.spans)
+            lengths = np.asarray([sp.end - sp.start for sp in self.spans])
+            cu = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(lengths, out=cu[1:])
+            flat = torch.from_numpy(np.concatenate([
+                cu, [max(sp.slot, 0) for sp in self.spans],
+                [sp.has_initial_state for sp in self.spans],
+                np.repeat(np.arange(n), lengths)]).astype(np.int64))
+            if device.type == "cuda":
+                flat = flat.pin_memory()
+            cu, slots, initial, tokens = flat.to(device, non_blocking=True).split(
+                [n + 1, n, n, int(cu[-1])])
+            self._on_device = (cu, slots, initial.bool() if self.keep else None,
+                               tokens.to(torch.int32))
+        return self._on_device
 
 
 def build_state_metadata(ctx: Context, num_tokens: int) -> StateMetadata:
@@ -198,12 +207,17 @@ class GatedDeltaNet(nn.Module):
         self.conv_state = torch.tensor([])
         self.ssm_state = torch.tensor([])
         self.kernels = None  # the decode kernels for these states (`use_states`)
+        self.prefill_rule = None  # the varlen chunked rule for prefills (`use_states`)
 
     def use_states(self, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
         """Keep each sequence's state in these slot tensors ([slots, K-1, channels],
-        [slots, Hv, dk, dv]); the kernels that advance them in place are picked here, once."""
+        [slots, Hv, dk, dv]); the kernels that advance them in place, and the prefills'
+        chunked rule (flash-linear-attention's on a GPU), are picked here, once."""
         self.conv_state, self.ssm_state = conv_state, ssm_state
         self.kernels = decode_kernels(ssm_state, conv_state)
+        self.prefill_rule = gated_delta_rule_fla.prefill_rule(
+            ssm_state.device,
+            (self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim))
 
     def load_tensor(self, key: str, param: torch.Tensor, tensor: torch.Tensor) -> None:
         """A_log and dt_bias: this rank's value heads."""
@@ -272,8 +286,7 @@ class GatedDeltaNet(nn.Module):
             out[:n] = o[:, 0]
             self.ssm_state.index_copy_(0, meta.decode_slots, states.to(self.ssm_state.dtype))
         keep = meta.keep
-        dims = (self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim)
-        if meta.spans and (rule := gated_delta_rule_fla.prefill_rule(q.device, dims)) is not None:
+        if meta.spans and (rule := self.prefill_rule) is not None:
             gated_delta_rule_fla.prefill_(rule, self.ssm_state, meta.spans[0].start,
                                           *meta.span_tensors(q.device), q, k, v, g, beta, out)
             return out
@@ -337,8 +350,9 @@ def _triton_kernels(device: torch.device):
 
 
 def _probe_kernels(device: torch.device):
-    """The Triton decode kernels after one small run (two slots of three, out of order)
-    against the torch forms."""
+    """The Triton kernels after one small run against the torch forms: the decode rule and
+    conv by slot (two slots of three, out of order), and the prefill conv (a chunk from its
+    slot's state, one from zeros)."""
     from engine_proc.layers import gated_delta_rule_triton as kernels
 
     gen = kernel_check.generator()
@@ -361,9 +375,19 @@ def _probe_kernels(device: torch.device):
     conv_want, conv_state = causal_conv_step(x, weight, conv[slots])
     conv_out = torch.empty(2, 48, device=device)
     kernels.conv_decode_(conv, slots, x, weight, conv_out)
-    kernel_check.agree(all(torch.allclose(a, b, rtol=1e-3, atol=1e-3) for a, b in (
-        (out, want[:, 0]), (state[slots], want_state), (conv_out, conv_want),
-        (conv[slots], conv_state))), "their probe disagrees with the torch forms")
+    pairs = [(out, want[:, 0]), (state[slots], want_state), (conv_out, conv_want),
+             (conv[slots], conv_state)]
+    chunks, before = randn(9, 48), conv.clone()
+    cu = torch.tensor([0, 2, 9], device=device)
+    chunk_out = torch.empty(9, 48, device=device)
+    kernels.conv_prefill_(conv, chunks, weight, chunk_out, cu,
+                          torch.tensor([0] * 2 + [1] * 7, dtype=torch.int32, device=device),
+                          slots, torch.tensor([True, False], device=device))
+    for (start, end), slot, initial in (((0, 2), 2, before[2]), ((2, 9), 0, None)):
+        chunk_want, chunk_state = causal_conv(chunks[start:end], weight, initial)
+        pairs += [(chunk_out[start:end], chunk_want), (conv[slot], chunk_state)]
+    kernel_check.agree(all(torch.allclose(a, b, rtol=1e-3, atol=1e-3) for a, b in pairs),
+                       "their probe disagrees with the torch forms")
     return kernels
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import weakref
 from pathlib import Path
 
 import torch
@@ -59,11 +60,25 @@ def conv_decode_(conv_state: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
     """x [N, C] (rows may be strided), weight [C, K] -> silu(conv) into out [N, C]
     (contiguous); each slot's state [K-1, C] advances in place."""
     n, channels = x.shape
-    weight_t = weight.t().contiguous()  # tap-major: 8 channels a vector
+    weight_t = _tap_major(weight)
     library().conv_decode_f32(conv_state.data_ptr(), slots.data_ptr(), x.data_ptr(),
                               weight_t.data_ptr(), out.data_ptr(), n, channels,
                               weight_t.shape[0], x.stride(0))
     return F.silu(out, inplace=True)
+
+
+# each layer's conv weight tap-major (8 channels a vector), made once: by the weight's id,
+# dropped when the weight dies (as many entries as live layers), remade if it is written
+_TAP_MAJOR: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+
+
+def _tap_major(weight: torch.Tensor) -> torch.Tensor:
+    key = id(weight)
+    entry = _TAP_MAJOR.get(key)
+    if entry is None or entry[0]() is not weight or entry[1] != weight._version:
+        alive = weakref.ref(weight, lambda _, key=key: _TAP_MAJOR.pop(key, None))
+        entry = _TAP_MAJOR[key] = (alive, weight._version, weight.t().contiguous())
+    return entry[2]
 
 
 def gated_delta_rule_decode_(ssm_state: torch.Tensor, slots: torch.Tensor, q: torch.Tensor,

@@ -176,26 +176,24 @@ def gated_delta_rule_decode_(ssm_state: torch.Tensor, slots: torch.Tensor, q: to
 
 def conv_prefill_(conv_state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                   out: torch.Tensor, cu_seqlens: torch.Tensor, token_span: torch.Tensor,
-                  slots: torch.Tensor, has_initial: torch.Tensor | None) -> torch.Tensor:
+                  slots: torch.Tensor, has_initial: torch.Tensor) -> torch.Tensor:
     """A step's prefill chunks in two launches, no loop per chunk: x [T, C] (rows may be
     strided; chunk i is rows cu_seqlens[i]..cu_seqlens[i+1]), token_span int32 [T] (each
     row's chunk), weight [C, K] contiguous -> silu(conv) into out [T, C] (contiguous); each
     chunk starts from its slot's state where has_initial (bool [N]) says so, else zeros, and
-    leaves its last K-1 inputs there. has_initial None: no states are read or kept."""
+    leaves its last K-1 inputs there."""
     num_tokens, channels = x.shape
     width = weight.shape[1]
-    initial = (has_initial.to(torch.int32) if has_initial is not None
-               else torch.zeros(len(slots), dtype=torch.int32, device=x.device))
+    initial = has_initial.to(torch.int32)
     if num_tokens:
         _conv_prefill_kernel[(triton.cdiv(num_tokens, BLOCK_T), triton.cdiv(channels, BLOCK_C))](
             conv_state, x, weight, out, token_span, cu_seqlens, slots, initial,
             conv_state.stride(0), x.stride(0), num_tokens, channels,
             WIDTH=width, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C,
             num_warps=8)  # at 4, float32 inputs spill (255 registers; sm_90, compiled)
-        if has_initial is not None:
-            _conv_state_kernel[(len(slots), triton.cdiv(channels, BLOCK_C))](
-                conv_state, x, cu_seqlens, slots, initial, conv_state.stride(0), x.stride(0),
-                channels, WIDTH=width, BLOCK_C=BLOCK_C)
+        _conv_state_kernel[(len(slots), triton.cdiv(channels, BLOCK_C))](
+            conv_state, x, cu_seqlens, slots, initial, conv_state.stride(0), x.stride(0),
+            channels, WIDTH=width, BLOCK_C=BLOCK_C)
     return out
 
 

@@ -156,7 +156,11 @@ class Qwen3VisionTransformer(nn.Module):
         self.side = int(cfg.num_position_embeddings**0.5)
         self.device = torch.device(device)
         self.patch_embed = PatchEmbed(cfg, bias=True)
-        self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
+        # no random init (the checkpoint fills it; see layers/vocab_parallel.py: under the
+        # meta device nn.Embedding's init imports torch._dynamo, 0.9 s of an engine start)
+        self.pos_embed = nn.Embedding(
+            cfg.num_position_embeddings, cfg.hidden_size,
+            _weight=torch.empty(cfg.num_position_embeddings, cfg.hidden_size))
         self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.depth)])
         self.merger = PatchMerger(cfg, postshuffle=False)
         self.deepstack_merger_list = nn.ModuleList(
