@@ -10,20 +10,9 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from api_proc.request_body import RequestBody
+
 logger = logging.getLogger(__name__)
-
-
-class LocalBody:
-    """A request body until the app receives it: then nothing here holds it (R1)."""
-
-    __slots__ = ("data",)
-
-    def __init__(self, data: bytes) -> None:
-        self.data: bytes | None = data
-
-    def take(self) -> bytes:
-        data, self.data = self.data, None
-        return data if data is not None else b""
 
 
 @dataclass
@@ -33,9 +22,9 @@ class LocalResponse:
     streamed: bool = False
 
 
-async def post(app: Callable, path: str, body: LocalBody) -> LocalResponse:
-    """The app's answer to `POST path` with a JSON `body`. A 500 when the app fails with
-    an exception (logged here, as uvicorn logs one)."""
+async def post(app: Callable, path: str, body: RequestBody) -> LocalResponse:
+    """The app's answer to `POST path` with a JSON `body` (taken once, as an HTTP body is:
+    R1). A 500 when the app fails with an exception (logged here, as uvicorn logs one)."""
     nbytes = len(body.data or b"")
     scope = {
         "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
@@ -70,10 +59,12 @@ async def post(app: Callable, path: str, body: LocalBody) -> LocalResponse:
     try:
         await app(scope, receive, send)
     except Exception as e:  # noqa: BLE001 - the server's answer to a bug: a 500
-        # Starlette has sent its 500 and raised again, for the server to log
+        # the app's error handler has sent its 500 and raised again, for the server to log
         logger.error("exception while serving POST %s: %s", path, e, exc_info=True)
-        return LocalResponse(500, b'{"error": {"message": "internal server error", '
-                                  b'"type": "internal_error", "param": null, "code": null}}')
+        if response.status != 500 or not chunks:  # it failed before answering
+            return LocalResponse(500, b'{"error": {"message": "internal server error", '
+                                      b'"type": "internal_error", "param": null, '
+                                      b'"code": null}}')
     finally:
         ended.set()
         body.data = None  # a request the app refused before reading its body

@@ -28,7 +28,8 @@ from typing import IO
 
 import httpx
 
-from api_proc.local_call import LocalBody, LocalResponse
+from api_proc.local_call import LocalResponse
+from api_proc.request_body import RequestBody
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class BatchRequest:
 
     custom_id: str
     url: str
-    body: LocalBody
+    body: RequestBody
 
 
 @dataclass
@@ -107,7 +108,7 @@ def parse_line(line: bytes, lineno: int) -> BatchRequest | BatchRefusal:
     if _wants_stream(body.get("stream")):
         return _error(f"line {lineno}: stream is not supported in a batch (each line gets one "
                       "response)", "stream_not_supported", custom_id)
-    return BatchRequest(custom_id, url, LocalBody(json.dumps(body).encode()))
+    return BatchRequest(custom_id, url, RequestBody(json.dumps(body).encode()))
 
 
 def output_line(custom_id: str | None, status: int, body: bytes | None,

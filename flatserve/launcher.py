@@ -271,7 +271,6 @@ class Launched:
 
     config: ApiConfig
     app: Any  # FastAPI
-    handles: list[SpawnedEngine]
     supervisor: EngineSupervisor | None
 
 
@@ -369,7 +368,7 @@ def launch_api(args: argparse.Namespace, command: str, *, is_stopping: Callable[
                 lambda dead: restart_engine(dead, args.engine_start_timeout), max_restarts,
                 on_restart=app.state.metrics.engine_restarts.inc, is_stopping=is_stopping,
                 give_up=give_up)
-        yield Launched(config, app, handles, supervisor)
+        yield Launched(config, app, supervisor)
     finally:
         try:
             if supervisor is not None:

@@ -18,12 +18,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import signal
 import time
 from dataclasses import fields
 
 from api_proc.config import ApiConfig
-from api_proc.local_call import LocalBody, post
+from api_proc.local_call import post
+from api_proc.request_body import RequestBody
 from flatserve.batch_file import (
     LINE_OVERHEAD_BYTES,
     BatchFileError,
@@ -50,6 +52,9 @@ SERVER_FLAGS = ("host", "uds", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "s
                 "api_key", "allow_unauthenticated_metrics", "root_path", "allowed_origins",
                 "allowed_methods", "allowed_headers", "allow_credentials", "max_header_bytes",
                 "header_read_timeout_s", "enable_server_load_tracking")
+# how long an HTTP client may wait before a 429 / 408: run-batch has no client to answer
+# "retry later", so its requests wait for budget and turns as long as it takes
+WAIT_FLAGS = ("admission_timeout_s", "body_read_timeout_s")
 PROGRESS_EVERY_S = 30.0
 
 
@@ -77,16 +82,17 @@ def add_run_batch_args(parser: argparse.ArgumentParser) -> None:
                        "ahead at most); 0: 2 x --max-num-seqs per engine, as vLLM")
 
 
-def _server_flags_given(args: argparse.Namespace) -> list[str]:
+def _server_flags_given(args: argparse.Namespace, names: tuple[str, ...] = SERVER_FLAGS
+                        ) -> list[str]:
     defaults = {f.name: f.default for f in fields(ApiConfig)}
     given = []
-    for name in SERVER_FLAGS:
+    for name in names:
         value = getattr(args, name)
         if (tuple(value) if isinstance(value, list) else value) != defaults[name]:
             given.append("--" + name.replace("_", "-"))
-    if args.uvicorn_log_level is not None:
+    if names is SERVER_FLAGS and args.uvicorn_log_level is not None:
         given.append("--uvicorn-log-level")
-    if args.disable_uvicorn_access_log:
+    if names is SERVER_FLAGS and args.disable_uvicorn_access_log:
         given.append("--disable-uvicorn-access-log")
     return given
 
@@ -99,6 +105,12 @@ def run_batch(args: argparse.Namespace) -> int:
         raise SystemExit(f"flatserve run-batch: {', '.join(given)}: these set the HTTP server "
                          "of `flatserve serve`, and run-batch runs none (its metrics: "
                          "--enable-metrics, --url, --port)")
+    given = _server_flags_given(args, WAIT_FLAGS)
+    if given:
+        raise SystemExit(f"flatserve run-batch: {', '.join(given)}: these bound how long an "
+                         "HTTP client waits before a 429 or 408; run-batch's requests wait "
+                         "for the image budget as long as it takes (--max-in-flight bounds "
+                         "them)")
     if args.max_in_flight < 0:
         raise SystemExit("flatserve run-batch: --max-in-flight must not be negative")
     try:
@@ -112,13 +124,14 @@ def run_batch(args: argparse.Namespace) -> int:
     try:
         with launch_api(args, "run-batch", is_stopping=lambda: runner is None or runner.stopping,
                         give_up=lambda reason: runner.stop_from_thread(reason),
-                        api_key=None) as launched:
+                        api_key=None, admission_timeout_s=math.inf,
+                        body_read_timeout_s=math.inf) as launched:
             config, app = launched.config, launched.app
             max_in_flight = args.max_in_flight or 2 * args.max_num_seqs * len(
                 config.engine_addresses)
             runner = BatchRunner(app, args.input_file, output, max_in_flight,
                                  config.max_body_bytes + LINE_OVERHEAD_BYTES,
-                                 config.shutdown_timeout_s)
+                                 config.shutdown_timeout_s, config.mm_inflight_budget)
             metrics_server = None
             if args.enable_metrics:
                 metrics_server = _serve_metrics(app, args.url, config.port)
@@ -161,16 +174,20 @@ class BatchRunner:
     """Runs a batch file through the app: reads a line when a slot frees up, runs its request
     as a task, writes its result line in input order. SIGINT/SIGTERM: no more lines are read,
     the requests running get --shutdown-timeout to finish, then the rest are cancelled (their
-    lines say so); a second signal cancels them at once."""
+    lines say so); a second signal cancels them at once. The bodies of the requests running
+    hold at most `body_budget` bytes (one line past it when a single line is larger): a line
+    waits on disk, as an HTTP body waits in its client, until the running ones leave room."""
 
     def __init__(self, app, source: str, output: Output, max_in_flight: int, line_limit: int,
-                 drain_s: float) -> None:
+                 drain_s: float, body_budget: int) -> None:
         self.app = app
         self.source = source
         self.output = output
         self.max_in_flight = max_in_flight
         self.line_limit = line_limit
         self.drain_s = drain_s
+        self.body_budget = body_budget
+        self._body_bytes = 0  # of the requests running
         self.num_lines = self.num_ok = self.num_failed = 0
         self.stop_reason: str | None = None
         self.finished = False  # the supervisor restarts no engine once the batch is over
@@ -189,6 +206,7 @@ class BatchRunner:
             loop.add_signal_handler(sig, self.stop, sig.name)
         self._in_flight = asyncio.Semaphore(self.max_in_flight)
         self._window = asyncio.Semaphore(2 * self.max_in_flight)
+        self._room = asyncio.Event()  # set when a running request ends
         started = time.monotonic()
         code = 0
         try:
@@ -258,8 +276,11 @@ class BatchRunner:
                         self.num_failed += 1
                         writer.put(index, refusal_line(request))
                     else:
+                        nbytes = len(request.body.data)
+                        await self._room_for(nbytes)
                         task = asyncio.ensure_future(self._run_one(
-                            writer, index, request.custom_id, request.url, request.body))
+                            writer, index, request.custom_id, request.url, request.body,
+                            nbytes))
                         self._tasks.add(task)
                         task.add_done_callback(self._tasks.discard)
                     request = None
@@ -270,14 +291,23 @@ class BatchRunner:
             finally:
                 await lines.aclose()
 
+    async def _room_for(self, nbytes: int) -> None:
+        """Until the running requests' bodies leave room for `nbytes` more (or none runs)."""
+        while self._body_bytes and self._body_bytes + nbytes > self.body_budget:
+            self._room.clear()
+            await self._room.wait()
+        self._body_bytes += nbytes
+
     async def _run_one(self, writer: OrderedWriter, index: int, custom_id: str, url: str,
-                       body: LocalBody) -> None:
+                       body: RequestBody, nbytes: int) -> None:
         try:
             response = await post(self.app, url, body)
         except asyncio.CancelledError:  # the batch was stopped
             response = None
         finally:
             self._in_flight.release()
+            self._body_bytes -= nbytes
+            self._room.set()
         # cancelled inside the app, the request ends as a client that left (499)
         if response is None or (response.status == 499 and self.stop_reason is not None):
             line = output_line(custom_id, 503, None, {

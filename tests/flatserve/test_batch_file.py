@@ -7,7 +7,8 @@ import asyncio
 import io
 import json
 
-from api_proc.local_call import LocalBody, LocalResponse, post
+from api_proc.local_call import LocalResponse, post
+from api_proc.request_body import RequestBody
 from flatserve.batch_file import (
     BatchRefusal,
     BatchRequest,
@@ -129,7 +130,7 @@ def test_the_in_process_call_hands_the_body_over_and_keeps_nothing_of_it():
         await send({"type": "http.response.body", "body": b"true}"})
         assert (await receive())["type"] == "http.disconnect"  # once the answer is complete
 
-    body = LocalBody(b'{"x": 1}')
+    body = RequestBody(b'{"x": 1}')
     response = asyncio.run(post(app, "/v1/completions", body))
     assert (response.status, response.body) == (201, b'{"ok":true}')
     assert seen == {"body": b'{"x": 1}', "path": "/v1/completions",
@@ -138,5 +139,5 @@ def test_the_in_process_call_hands_the_body_over_and_keeps_nothing_of_it():
     async def broken(scope, receive, send):
         raise RuntimeError("a bug")
 
-    response = asyncio.run(post(broken, "/v1/completions", LocalBody(b"{}")))
+    response = asyncio.run(post(broken, "/v1/completions", RequestBody(b"{}")))
     assert response.status == 500 and b"internal" in response.body

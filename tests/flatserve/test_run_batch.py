@@ -203,6 +203,10 @@ def test_flags_of_the_http_server_and_a_missing_input_fail_before_any_process(tm
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
     assert "--host, --api-key" in last and "--url" in last
+    done = run_batch("-i", str(source), "-o", str(tmp_path / "out"),
+                     "--admission-timeout-s", "5")
+    assert done.returncode != 0
+    assert "--admission-timeout-s" in done.stderr and "as long as it takes" in done.stderr
     done = run_batch("-i", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "out"))
     assert done.returncode != 0 and "missing.jsonl: no such file" in done.stderr
     assert not (tmp_path / "out").exists()
@@ -216,6 +220,7 @@ class _SlowHeadApp:
         self.router = SimpleNamespace(lifespan_context=lambda app: contextlib.nullcontext())
         self.release: asyncio.Event | None = None
         self.running = self.max_running = 0
+        self.hold_s = 0.0  # how long every request runs
 
     async def __call__(self, scope, receive, send) -> None:
         prompt = json.loads((await receive())["body"])["prompt"]
@@ -223,6 +228,7 @@ class _SlowHeadApp:
         self.max_running = max(self.max_running, self.running)
         if prompt == "slow":
             await self.release.wait()
+        await asyncio.sleep(self.hold_s)
         self.running -= 1
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": json.dumps({"echo": prompt}).encode()})
@@ -239,7 +245,7 @@ def test_reading_stops_while_an_early_result_holds_the_output_back(tmp_path):
     source.write_text("".join(request(p, "/v1/completions", prompt=p) + "\n" for p in prompts))
     app = _SlowHeadApp()
     runner = BatchRunner(app, str(source), Output(str(target), None), max_in_flight=2,
-                         line_limit=1 << 20, drain_s=1.0)
+                         line_limit=1 << 20, drain_s=1.0, body_budget=1 << 30)
 
     async def scenario() -> int:
         app.release = asyncio.Event()
@@ -255,3 +261,25 @@ def test_reading_stops_while_an_early_result_holds_the_output_back(tmp_path):
     assert [r["custom_id"] for r in results] == prompts
     assert [r["response"]["body"]["echo"] for r in results] == prompts
     assert app.max_running <= 2
+
+
+@pytest.mark.parametrize("budget,most_running", [(5000, 1), (1 << 30, 4)])
+def test_running_bodies_stay_inside_the_image_budget(tmp_path, budget, most_running):
+    """Lines wait on disk while the running requests' bodies fill the budget (one runs
+    alone when each is most of it), instead of being read and waiting in memory for a 429:
+    every line answers 200, in order. With room, --max-in-flight bounds them."""
+    from flatserve.batch_file import Output
+    from flatserve.run_batch import BatchRunner
+
+    prompts = [f"{i:02d}" + "x" * 3000 for i in range(8)]
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join(request(p[:2], "/v1/completions", prompt=p) + "\n"
+                              for p in prompts))
+    app = _SlowHeadApp()
+    app.hold_s = 0.02
+    runner = BatchRunner(app, str(source), Output(str(target), None), max_in_flight=4,
+                         line_limit=1 << 20, drain_s=1.0, body_budget=budget)
+    assert asyncio.run(runner.run()) == 0
+    results = [json.loads(x) for x in target.read_text().splitlines()]
+    assert [r["response"]["body"]["echo"] for r in results] == prompts
+    assert app.max_running == most_running and runner.num_ok == 8
