@@ -231,16 +231,20 @@ class EngineStatsCollector(Collector):
             "(hybrid models such as Qwen3.5; allocated at start)",
             value=total("state_cache_bytes"))
         yield GaugeMetricFamily(
-            "flatserve_cuda_graph_bytes", "Device bytes the engines' decode CUDA graphs took "
-            "when captured at start (--no-enforce-eager; 0 when eager)",
+            "flatserve_cuda_graph_bytes", "Device bytes the engines' CUDA graphs (decode and "
+            "mixed steps) took when captured at start (--no-enforce-eager; 0 when eager)",
             value=total("cuda_graph_bytes"))
         yield CounterMetricFamily(
             "flatserve_forward_steps", "Forwards the engines ran (steps with tokens)",
             value=total("num_forward_steps"))
         yield CounterMetricFamily(
-            "flatserve_cuda_graph_steps", "Forwards that replayed a decode CUDA graph (the "
-            "others ran eagerly: a prompt chunk, state copies, or a batch past the largest "
-            "capture size)", value=total("num_graph_steps"))
+            "flatserve_cuda_graph_steps", "Forwards that replayed a decode CUDA graph",
+            value=total("num_graph_steps"))
+        yield CounterMetricFamily(
+            "flatserve_piecewise_graph_steps", "Forwards with prompt chunks (or decodes past "
+            "the decode graphs) that replayed CUDA graphs in pieces around their attention "
+            "(the rest ran eagerly: image rows, or more tokens than the largest size)",
+            value=total("num_piecewise_steps"))
         yield GaugeMetricFamily(
             "flatserve_state_slots_free", "Recurrent state slots no running request holds",
             value=total("num_state_slots_free"))

@@ -25,6 +25,7 @@ from engine_proc.iteration_tokens import IterationTokens
 from engine_proc.memory_plan import engine_plan, measured_sizes
 from engine_proc.model_runner import ModelRunner
 from engine_proc.models.mrope import VisionSpan, vision_positions
+from engine_proc.piecewise_graphs import MAX_MIXED_SIZE, mixed_capture_sizes
 from engine_proc.scheduler import RequestRejected, ScheduledBatch, Scheduler
 from engine_proc.sequence import ImageSpan, Sequence
 from engine_proc.structured_output import StructuredOutputs
@@ -87,6 +88,7 @@ class LLMEngine:
         enforce_eager: bool = EngineConfig.enforce_eager,
         cudagraph_capture_sizes: tuple[int, ...] = EngineConfig.cudagraph_capture_sizes,
         max_cudagraph_capture_size: int = EngineConfig.max_cudagraph_capture_size,
+        cudagraph_mode: str = EngineConfig.cudagraph_mode,
         graph_stand_in: bool = False,
     ):
         self.config: ModelConfig = load_model_config(model_path)
@@ -112,8 +114,12 @@ class LLMEngine:
             state_snapshot_bytes=(state_snapshot_bytes if enable_prefix_caching
                                   and mamba_cache_mode == "align" else 0),
             pack_weights=pack_weights,
-            cuda_graph_sizes=() if enforce_eager else capture_sizes(
-                max_num_seqs, cudagraph_capture_sizes, max_cudagraph_capture_size or None),
+            cuda_graph_sizes=() if enforce_eager or cudagraph_mode == "piecewise" else
+            capture_sizes(max_num_seqs, cudagraph_capture_sizes,
+                          max_cudagraph_capture_size or None),
+            mixed_graph_sizes=() if enforce_eager or cudagraph_mode == "full_decode_only" else
+            mixed_capture_sizes(max_num_batched_tokens,
+                                max_cudagraph_capture_size or MAX_MIXED_SIZE),
             graph_stand_in=graph_stand_in,
         )
         self._log_cache_sizes()
@@ -177,6 +183,7 @@ class LLMEngine:
             enforce_eager=config.enforce_eager,
             cudagraph_capture_sizes=config.cudagraph_capture_sizes,
             max_cudagraph_capture_size=config.max_cudagraph_capture_size,
+            cudagraph_mode=config.cudagraph_mode,
             tp_label=f"engine {config.rank}",
             mamba_ssm_cache_dtype=config.mamba_ssm_cache_dtype,
             mamba_cache_mode=config.mamba_cache_mode,
@@ -204,10 +211,12 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any."""
         runner = self.model_runner
-        if runner.decode_graphs is not None and runner.num_forward_steps:
-            logger.info("%d forwards, %d of them replayed decode graphs (%.0f%%)",
-                        runner.num_forward_steps, runner.num_graph_steps,
-                        100 * runner.num_graph_steps / runner.num_forward_steps)
+        steps = runner.num_forward_steps
+        if (runner.decode_graphs or runner.mixed_graphs) is not None and steps:
+            logger.info("%d forwards: %d replayed decode graphs (%.0f%%), %d mixed-step "
+                        "pieces (%.0f%%)", steps, runner.num_graph_steps,
+                        100 * runner.num_graph_steps / steps, runner.num_piecewise_steps,
+                        100 * runner.num_piecewise_steps / steps)
         runner.close()
 
     @property
@@ -338,10 +347,10 @@ class LLMEngine:
             block_size=block_manager.block_size,
             enable_prefix_caching=block_manager.enable_prefix_caching,
             gpu_memory_utilization=self.gpu_memory_utilization or 0.0,
-            cuda_graph_bytes=(0 if self.model_runner.decode_graphs is None
-                              else self.model_runner.decode_graphs.capture_bytes),
+            cuda_graph_bytes=self.model_runner.cuda_graph_bytes,
             num_forward_steps=self.model_runner.num_forward_steps,
             num_graph_steps=self.model_runner.num_graph_steps,
+            num_piecewise_steps=self.model_runner.num_piecewise_steps,
         )
 
     def take_encoder_key_changes(self) -> tuple[list[bytes], list[bytes]]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from engine_proc.piecewise_graphs import MAX_MIXED_SIZE
 from engine_proc.step_staging import NUM_ARENAS
 from rpc.engine_server import MAX_PENDING_PER_PEER
 from shared.engine_config import EngineConfig
@@ -189,8 +190,10 @@ def pinned_staging_bytes(config: EngineConfig, model: ModelConfig, sizes: Engine
     penalties = 2 * 8 * seqs * sizes.max_model_len
     grammar = 4 * seqs * -(-model.text.vocab_size // 32)
     arena = 1 << (step + sampling + penalties + grammar + 32 * 64).bit_length()
-    # graph staging: a row per sequence of the largest capture size (at most max_num_seqs)
-    graphs = 0 if config.enforce_eager else seqs * (8 + 24 + 4 + 8 + 8 + 4 * blocks)
+    # graph staging: a row per sequence of the largest capture size (at most max_num_seqs),
+    # and the mixed steps' ids and positions (a row per token of the largest piecewise size)
+    graphs = 0 if config.enforce_eager else (seqs * (8 + 24 + 4 + 8 + 8 + 4 * blocks)
+                                             + 32 * min(tokens, MAX_MIXED_SIZE))
     return NUM_ARENAS * 2 * arena + graphs
 
 

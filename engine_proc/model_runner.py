@@ -22,17 +22,24 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from engine_proc.context import reset_context, set_context
 from engine_proc.cuda_graphs import DecodeGraphs, DecodePadding
 from engine_proc.distributed import all_reduce_min, tp_shard
 from engine_proc.encoder_cache import EncoderCache
 from engine_proc.layers import paged_attention_cpu, rms_norm_cpu, rotary_cpu
-from engine_proc.layers.attention import triton_decode
+from engine_proc.layers.attention import (
+    AttentionMetadata,
+    build_attention_metadata,
+    triton_decode,
+)
+from engine_proc.layers.gated_delta_net import StateMetadata, build_state_metadata
 from engine_proc.layers.packed_linear import pack_linear_weights
 from engine_proc.layers.rms_norm import triton_norm
 from engine_proc.layers.rotary_embedding import triton_rotary
 from engine_proc.layers.varlen_attention import varlen_kernel
 from engine_proc.logits_adjustments import build_adjustments
 from engine_proc.models.registry import model_class
+from engine_proc.piecewise_graphs import PiecewiseGraphs
 from engine_proc.prompt_logprobs import PromptRows, score
 from engine_proc.sampler import GrammarMask, Sampler, SamplingBatch
 from engine_proc.scheduler import ScheduledBatch
@@ -41,8 +48,11 @@ from engine_proc.state_cache import StateShape, allocate_state_cache, plan_state
 from engine_proc.step_inputs import (
     ImagePieces,
     StepInputs,
+    copy_state_slots,
+    forward_capture_layout,
     forward_decode_buffers,
     forward_step,
+    sampled_logits,
 )
 from engine_proc.step_staging import StepStaging
 from engine_proc.tensor_parallel import TensorParallelWorkers, rank_device
@@ -120,6 +130,7 @@ class ModelRunner:
         state_snapshot_bytes: int = 0,
         pack_weights: bool = False,
         cuda_graph_sizes: tuple[int, ...] = (),
+        mixed_graph_sizes: tuple[int, ...] = (),
         graph_stand_in: bool = False,
     ):
         """tensor_parallel_size > 1: this runner is rank 0 and starts the other ranks
@@ -137,7 +148,10 @@ class ModelRunner:
         `cuda_graph_sizes`: on CUDA (one rank), decode-only steps of up to the largest size
         replay CUDA graphs captured at start for these batch sizes (engine_proc/cuda_graphs.py;
         one KV block and one state slot are kept out of the pools for their padding rows).
-        `graph_stand_in` runs the same buffers and padding eagerly on any device (tests)."""
+        `mixed_graph_sizes`: the other steps of up to the largest of these token counts
+        replay graphs in pieces around their attention and state updates
+        (engine_proc/piecewise_graphs.py). `graph_stand_in` runs the same buffers, padding
+        and pieces eagerly on any device (tests)."""
         self.config = config
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, config)
@@ -192,7 +206,8 @@ class ModelRunner:
         if self.workers is not None and not self.on_cuda:
             self.vision_threads = torch.get_num_threads() * tensor_parallel_size
         self.sampler = Sampler()
-        self.num_forward_steps = self.num_graph_steps = 0  # /metrics: how many replayed
+        # /metrics: forwards, and those that replayed a decode graph or mixed-step pieces
+        self.num_forward_steps = self.num_graph_steps = self.num_piecewise_steps = 0
         # a step's small arrays reach the GPU through one pinned arena (not a block each)
         self.staging = StepStaging(self.device) if self.on_cuda else None
         self.structured = None  # StructuredOutputs, set by the engine
@@ -200,10 +215,10 @@ class ModelRunner:
             paged_attention_cpu.library()  # built (or found) now, not in the first step
             rms_norm_cpu.library()
             rotary_cpu.library()
-        graphs = bool(cuda_graph_sizes) and self.workers is None and (
-            self.on_cuda or graph_stand_in)
-        if cuda_graph_sizes and not graphs:
-            logger.info("decode steps run eagerly: CUDA graphs need a CUDA device and one rank "
+        wanted = bool(cuda_graph_sizes or mixed_graph_sizes)
+        graphs = wanted and self.workers is None and (self.on_cuda or graph_stand_in)
+        if wanted and not graphs:
+            logger.info("steps run eagerly: CUDA graphs need a CUDA device and one rank "
                         "(this engine: %s, %d ranks)", self.device, tensor_parallel_size)
         # the padding rows' KV block and state slot: one past those the pools hand out
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks + graphs)
@@ -216,7 +231,9 @@ class ModelRunner:
         if self.on_cuda:
             self._check_gpu_kernels()
         self.decode_graphs = (self._capture_decode_graphs(cuda_graph_sizes, graph_stand_in)
-                              if graphs else None)
+                              if graphs and cuda_graph_sizes else None)
+        self.mixed_graphs = (self._capture_mixed_graphs(mixed_graph_sizes, graph_stand_in)
+                             if graphs and mixed_graph_sizes else None)
 
     def _capture_decode_graphs(self, sizes: tuple[int, ...], stand_in: bool
                                ) -> DecodeGraphs | None:
@@ -225,9 +242,7 @@ class ModelRunner:
             logger.warning("decode steps run eagerly: CUDA graphs need the paged Triton "
                            "attention kernel (Triton did not import)")
             return None
-        padding = DecodePadding.reserved_block(
-            self.num_kv_blocks, self.block_size,
-            self.num_state_slots + self.num_state_snapshots if self.state_shape else -1)
+        padding = self._graph_padding()
         graphs = DecodeGraphs(sizes, -(-self.max_model_len // self.block_size), padding,
                               state_slots=self.state_shape is not None, device=self.device,
                               use_graphs=self.on_cuda and not stand_in)
@@ -237,6 +252,26 @@ class ModelRunner:
         except Exception:  # e.g. an op that waits on the host (the looped MoE path)
             logger.warning("decode steps run eagerly: capturing their CUDA graphs failed",
                            exc_info=True)
+            return None
+        return graphs
+
+    def _graph_padding(self) -> DecodePadding:
+        """The KV block and state slot one past those the pools hand out (kept for graphs)."""
+        return DecodePadding.reserved_block(
+            self.num_kv_blocks, self.block_size,
+            self.num_state_slots + self.num_state_snapshots if self.state_shape else -1)
+
+    def _capture_mixed_graphs(self, sizes: tuple[int, ...], stand_in: bool
+                              ) -> PiecewiseGraphs | None:
+        graphs = PiecewiseGraphs(sizes, device=self.device,
+                                 use_graphs=self.on_cuda and not stand_in)
+        padding = self._graph_padding()
+        try:
+            graphs.capture(lambda ids, positions: forward_capture_layout(
+                self.model, ids, positions, padding, self.block_size))
+        except Exception:  # an op in a piece that waits on the host
+            logger.warning("steps with prompt chunks run eagerly: capturing their CUDA graphs "
+                           "in pieces failed", exc_info=True)
             return None
         return graphs
 
@@ -281,6 +316,12 @@ class ModelRunner:
     @property
     def kv_cache_bytes(self) -> int:
         return self.num_kv_blocks * self.kv_block_bytes
+
+    @property
+    def cuda_graph_bytes(self) -> int:
+        """Device memory the graphs took when captured (decode and mixed steps)."""
+        return sum(g.capture_bytes for g in (self.decode_graphs, self.mixed_graphs)
+                   if g is not None)
 
     @property
     def state_cache_bytes(self) -> int:
@@ -415,7 +456,11 @@ class ModelRunner:
             logits = self.model.compute_logits(self.decode_graphs.replay(inputs))
             return self._sample(logits, sample_seqs)
         pieces = self._image_rows(batch, inputs)  # vision work, on rank 0 only
-        logits = self._forward(inputs, pieces)
+        if not pieces and self._runs_pieces(inputs):
+            self.num_piecewise_steps += 1
+            logits = self._forward_pieces(inputs)
+        else:
+            logits = self._forward(inputs, pieces)
         del pieces
         if logits is None:
             return [], None
@@ -433,6 +478,33 @@ class ModelRunner:
         return (graphs is not None and inputs.all_decode and prompt is None
                 and not len(inputs.state_restores) and not len(inputs.state_saves)
                 and graphs.bucket(len(inputs.input_ids)) is not None)
+
+    def _runs_pieces(self, inputs: StepInputs) -> bool:
+        """Whether a step (without image rows) replays mixed-step pieces: at most their
+        largest size in tokens."""
+        graphs = self.mixed_graphs
+        return graphs is not None and graphs.bucket(len(inputs.input_ids)) is not None
+
+    def _forward_pieces(self, inputs: StepInputs) -> torch.Tensor | None:
+        """forward_step's work, the decoder replayed in pieces: its attention and state
+        updates run on the step's own layouts, built here once (the models build them in
+        their forward)."""
+        context = inputs.context(self._to_device)
+        num_tokens = len(inputs.input_ids)
+        layouts = {AttentionMetadata: build_attention_metadata(context, num_tokens,
+                                                               self.block_size, self.dtype)}
+        if self.state_shape is not None:
+            layouts[StateMetadata] = build_state_metadata(context, num_tokens)
+        set_context(context)
+        try:
+            if len(inputs.state_restores):
+                copy_state_slots(self.state_cache, inputs.state_restores, self._to_device)
+            hidden = self.mixed_graphs.replay(inputs.input_ids, inputs.positions, layouts)
+            if len(inputs.state_saves):
+                copy_state_slots(self.state_cache, inputs.state_saves, self._to_device)
+        finally:
+            reset_context()
+        return sampled_logits(self.model, hidden, inputs.sample_rows, self._to_device)
 
     def _sample(self, logits: torch.Tensor, sample_seqs: list[Sequence]
                 ) -> tuple[list[int], list[TokenLogprobs | None] | None]:

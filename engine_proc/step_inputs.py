@@ -157,9 +157,14 @@ def forward_step(model: torch.nn.Module, inputs: StepInputs, pieces: ImagePieces
     finally:
         reset_context()
     del inputs_embeds, deepstack
-    if not len(inputs.sample_rows):
+    return sampled_logits(model, hidden, inputs.sample_rows, to_device)
+
+
+def sampled_logits(model: torch.nn.Module, hidden: torch.Tensor, rows: np.ndarray,
+                   to_device: Callable[[np.ndarray], torch.Tensor]) -> torch.Tensor | None:
+    """The logits of the step's sampled rows of `hidden` (None when it samples none)."""
+    if not len(rows):
         return None
-    rows = inputs.sample_rows
     if len(rows) < hidden.shape[0] or not np.array_equal(rows, np.arange(len(rows))):
         # the last token of each finished chunk (then prompt rows, prompt_logprobs.py)
         hidden = hidden[to_device(rows)]
@@ -179,6 +184,38 @@ def forward_decode_buffers(model: torch.nn.Module, buffers, block_size: int) -> 
         num_decodes=size, state_slots=buffers.state_slots))
     try:
         return model(model.embed_tokens(buffers.input_ids), buffers.positions, None)
+    finally:
+        reset_context()
+
+
+def capture_layout(num_tokens: int, padding, block_size: int,
+                   device: torch.device) -> Context:
+    """The layout mixed-step pieces are captured on (engine_proc/piecewise_graphs.py): one
+    sequence of `num_tokens` fresh tokens whose keys all go to the padding slot (its block
+    table the padding block throughout: paths that read keys from the cache stay in it),
+    and no recurrent state kept (its layers start from zeros and write no slot)."""
+    def tensor(values, dtype):
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    num_blocks = -(-num_tokens // block_size)
+    return Context(
+        query_start_loc=tensor([0, num_tokens], torch.int32),
+        seq_lens=tensor([num_tokens], torch.int32),
+        slot_mapping=torch.full((num_tokens,), padding.slot, dtype=torch.int64, device=device),
+        block_tables=tensor([[padding.block] * num_blocks], torch.int32),
+        max_q_len=num_tokens,
+        max_seq_len=num_tokens, num_decodes=0, q_lens_host=[num_tokens],
+        seq_lens_host=[num_tokens])
+
+
+def forward_capture_layout(model: torch.nn.Module, input_ids: torch.Tensor,
+                           positions: torch.Tensor, padding, block_size: int) -> torch.Tensor:
+    """Hidden states [T, hidden] of a mixed step's pieces on the capture layout; the eager
+    ops between them (attention, state updates) see the step's own layout at replay."""
+    context = capture_layout(input_ids.shape[0], padding, block_size, input_ids.device)
+    set_context(context)
+    try:
+        return model(model.embed_tokens(input_ids), positions, None)
     finally:
         reset_context()
 

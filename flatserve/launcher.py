@@ -63,6 +63,7 @@ ENGINE_FLAGS = (
     "state_snapshot_bytes",
     "pack_weights",
     "enforce_eager",
+    "cudagraph_mode",
     "cudagraph_capture_sizes",
     "max_cudagraph_capture_size",
 )

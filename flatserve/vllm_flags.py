@@ -27,8 +27,8 @@ class VllmFlag:
 
 NO_HUB = "flatserve serves local checkpoint folders only: no hub downloads"
 NO_LORA = "no LoRA adapters"
-EAGER = ("no torch.compile: decode graphs are flatserve's own (--no-enforce-eager, "
-         "--cudagraph-capture-sizes, --max-cudagraph-capture-size)")
+EAGER = ("no torch.compile: CUDA graphs are flatserve's own (--no-enforce-eager, "
+         "--cudagraph-mode, --cudagraph-capture-sizes, --max-cudagraph-capture-size)")
 
 FLAGS = (
     # accepted where they describe what flatserve always does

@@ -9,7 +9,8 @@
 # by name, kernels (the Triton paged decode kernel against the eager path, one layer) and
 # bench35 (the qwen3.5-0.8b preset's rows: text c=1/32/128, 448px c=32) and graphs (the
 # 3b and qwen3.5 text rows at c=1 and c=32, --no-enforce-eager beside --enforce-eager in
-# one table with ratios; GRAPH_MODELS picks the presets) and soak35 (the seeds' workload:
+# one table with ratios, GRAPH_MODELS picks the presets; then mixed lengths at c=64, steps
+# with prompt chunks in pieces beside eager, MIXED_MODELS ("3b")) and soak35 (the seeds' workload:
 # qwen3.5-0.8b, 1024px, c=128, 10% disconnects).
 # Everything is logged to $OUT/log.txt (bench tables too); the soak's CSV, PNG and summary
 # land in $OUT/soak.
@@ -17,7 +18,7 @@
 # ./.whl (if present: scripts/gpu_wheels.sh fills it; carry it) are installed into /tmp/site
 # first. Environment knobs:
 # SOAK_REQUESTS (2000), SOAK_CONCURRENCY (128), SOAK_SIZE (2048), BENCH_REQUESTS (200),
-# GRAPH_MODELS ("3b qwen3.5-0.8b"), GRAPHS_LIMIT (420 s).
+# GRAPH_MODELS ("3b qwen3.5-0.8b"), MIXED_MODELS ("3b"), GRAPHS_LIMIT (480 s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu}
@@ -150,6 +151,16 @@ run_graphs() {  # decode steps as CUDA graphs beside eager (--baseline-args), sa
                 -- --model "$m" --no-enforce-eager
         done
     done
+    # staggered mixed lengths: half the steps carry a prompt chunk; pieces beside decode
+    # graphs alone (--cudagraph-mode full_decode_only)
+    for p in ${MIXED_MODELS:-3b}; do
+        $FS bench --workload text --prompt-len 256 --prompt-len-range 0.5 --output-len 128 \
+            --output-len-range 0.5 --ignore-eos --concurrency 64 --num-requests 192 \
+            --no-progress --label "$p pieces, mixed lengths c=64" \
+            --baseline-args=--cudagraph-mode=full_decode_only \
+            --server-log "$OUT/server_graphs_${p}_mixed.log" \
+            -- --model "$(model "$p")" --no-enforce-eager
+    done
     grep -h "replayed decode graphs" "$OUT"/server_graphs_*.log || true  # their share
 }
 
@@ -172,7 +183,7 @@ steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(env tests e2e moe bench bench3b soak)
 declare -A LIMIT=([env]=60 [tests]=180 [e2e]=300 [moe]=60 [bench]=80 [bench3b]=200
                   [soak]=260 [kernels]=90 [bench35]=240
-                  [graphs]=${GRAPHS_LIMIT:-420} [soak35]=400)
+                  [graphs]=${GRAPHS_LIMIT:-480} [soak35]=400)
 for s in "${steps[@]}"; do
     step "$s" "${LIMIT[$s]}" "run_$s"
 done

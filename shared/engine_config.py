@@ -79,15 +79,23 @@ class EngineConfig:
         "whole on the first rank. On a CPU the ranks share its cores: with few cores it is "
         "not faster than 1 (see docs/design.md, \"Tensor parallelism\")")
     enforce_eager: bool = opt(
-        True, "run every step eagerly (vLLM's flag); --no-enforce-eager: on CUDA, decode-only "
-        "steps replay CUDA graphs captured at start for their batch size (one rank; no "
-        "effect on a CPU). Off by default until a GPU run has shown its tokens identical")
+        True, "run every step eagerly (vLLM's flag); --no-enforce-eager: on CUDA, steps "
+        "replay CUDA graphs captured at start (see --cudagraph-mode; one rank; no effect on "
+        "a CPU). Off by default until a GPU run has shown its tokens identical")
+    cudagraph_mode: str = opt(
+        "full_and_piecewise", "with --no-enforce-eager, which steps replay graphs (vLLM's "
+        "compilation-config cudagraph_mode): full_and_piecewise: decode-only steps one "
+        "graph each, steps with prompt chunks graphs in pieces around their attention and "
+        "Gated DeltaNet state updates, which run eagerly (up to 512 tokens or "
+        "--max-num-batched-tokens); full_decode_only: decode-only steps only; piecewise: "
+        "every step in pieces", choices=("full_and_piecewise", "full_decode_only", "piecewise"))
     cudagraph_capture_sizes: tuple[int, ...] = opt(
         (), "batch sizes to capture decode graphs for (vLLM's flag; default: 1, 2, 4, then "
         "every 8 up to --max-cudagraph-capture-size)")
     max_cudagraph_capture_size: int = opt(
         0, "largest decode batch run as a graph (vLLM's flag; 0: the largest capture size, "
-        "else 512), never above --max-num-seqs")
+        "else 512), never above --max-num-seqs; and the most tokens of a step run in pieces "
+        "(0: 512), never above --max-num-batched-tokens")
     pack_weights: bool = opt(
         False, "on a CPU in float32, pack the linear layers' weights once for oneDNN's GEMM "
         "(1.1-1.4x at serving batch sizes, float32 rounding apart; row counts rounded up to "

@@ -151,11 +151,13 @@ class EngineStats:
     block_size: int = 0
     enable_prefix_caching: bool = False  # in effect (hybrid models may turn it off)
     gpu_memory_utilization: float = 0.0  # as given; 0: not given
-    cuda_graph_bytes: int = 0  # device memory the decode graphs took at capture (--no-enforce-eager)
-    # cumulative: forwards the engine ran, and those that replayed a decode graph (the
-    # others ran eagerly: steps with a prompt chunk, state copies, or past the largest size)
+    cuda_graph_bytes: int = 0  # device memory the graphs took at capture (--no-enforce-eager)
+    # cumulative: forwards the engine ran, those that replayed a decode graph, and those
+    # that replayed mixed-step pieces (the others ran eagerly: image rows, state copies in
+    # a decode step, or past the largest sizes)
     num_forward_steps: int = 0
     num_graph_steps: int = 0
+    num_piecewise_steps: int = 0
 
 
 @dataclass

@@ -50,6 +50,7 @@ from torch import nn
 
 from engine_proc.context import Context
 from engine_proc.layers import kernel_check, paged_attention_cpu
+from engine_proc.layers.eager_op import eager_op
 from engine_proc.layers.varlen_attention import varlen_kernel, varlen_reference
 
 
@@ -331,7 +332,13 @@ class Attention(nn.Module):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """q [T, heads, D], k/v [T, kv_heads, D] -> [T, heads * D]."""
+        """q [T, heads, D], k/v [T, kv_heads, D] -> [T, heads * D]. Eager in a mixed step's
+        graphs (layers/eager_op.py): its layout is the step's chunks'."""
+        return eager_op(self._attend, (q, k, v), meta)
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         num_tokens = q.shape[0]
         if meta.slot_mapping is not None and self.k_cache.numel():
             flat = self.num_kv_heads * self.head_dim

@@ -38,6 +38,7 @@ from torch.nn.utils.rnn import pad_sequence
 from engine_proc.context import Context
 from engine_proc.distributed import REPLICATED, Shard
 from engine_proc.layers import gated_delta_rule_cpu, gated_delta_rule_fla, kernel_check
+from engine_proc.layers.eager_op import eager_op
 from engine_proc.layers.gated_delta_rule import (
     causal_conv,
     causal_conv_step,
@@ -233,17 +234,24 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self.in_proj(x).split(
             [conv_dim, self.num_v_heads * self.head_v_dim, self.num_v_heads, self.num_v_heads],
             dim=-1)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        core = eager_op(self._advance, (qkv, g, beta), meta)
+        core = self.norm(core.view(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(core.view(num_tokens, -1))
+
+    def _advance(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 meta: StateMetadata) -> torch.Tensor:
+        """The conv and the delta rule over the step's tokens, the states in their slots
+        advanced: [T, Hv, dv]. Eager in a mixed step's graphs (layers/eager_op.py)."""
+        num_tokens = qkv.shape[0]
         kernels = self.kernels if meta.keep else None
         qkv = self._conv(qkv, meta, kernels)
         q, k, v = qkv.split(self.local_sizes, dim=-1)
         q = q.view(num_tokens, self.num_k_heads, self.head_k_dim)
         k = k.view(num_tokens, self.num_k_heads, self.head_k_dim)
         v = v.view(num_tokens, self.num_v_heads, self.head_v_dim)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        core = self._delta_rule(q, k, v, g, beta, meta, kernels)
-        core = self.norm(core.view(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-        return self.out_proj(core.view(num_tokens, -1))
+        return self._delta_rule(q, k, v, g, beta, meta, kernels)
 
     def _conv(self, qkv: torch.Tensor, meta: StateMetadata, kernels) -> torch.Tensor:
         """kernels: those (`decode_kernels`) that advance the decodes' conv states in their

@@ -1,0 +1,276 @@
+"""Mixed steps (prefill chunks beside decodes) as CUDA graphs in pieces, cut around the ops
+whose work depends on the chunks' lengths (layers/eager_op.py: attention, Gated DeltaNet's
+state update), which run eagerly between the replays with the step's own layout.
+
+Under staggered arrivals and mixed lengths about half the steps carry a prompt chunk
+(docs/performance.md: 49% at c=128 with outputs of 64-192 tokens), and a decode graph
+cannot replay them: eagerly, each of a 3B model's 36 layers launches ~15 kernels from
+Python. In pieces a layer launches its graph and its attention's few kernels. vLLM's
+default (FULL_AND_PIECEWISE) keeps the same split: full graphs for decode-only steps,
+piecewise ones for the rest.
+
+A step of n tokens runs the pieces captured for the smallest size >= n (its bucket). The
+graphs read token ids and positions from static buffers (rows n.. padding: token 0 at
+position 0); every row is computed independently between the cuts, so padding rows change
+no real row. At each cut the piece ends by copying the op's inputs into static buffers
+(shared by every cut with inputs of that shape: one at a time is in use), the op runs on
+their first n rows with the step's layout, and its n rows are copied into the static
+buffer the next piece reads (rows n.. keep an earlier step's values, finite, never read
+into a real row). So nothing the op sees is padded, and the KV cache and recurrent states
+are written for the step's real tokens only.
+
+Capture, per size, largest first: an eager run that compiles the kernels and allocates the
+static buffers (at the largest size), then the capture, on a layout of one sequence of
+`size` fresh tokens whose keys all go to the padding slot (the decode graphs' reserved
+block) and with no recurrent state kept. All sizes share one memory pool: their pieces
+replay in the order they were captured and never overlap.
+
+On a CPU (or with `use_graphs=False`) `replay` runs the same pieces, static buffers,
+padding and cuts eagerly: the CPU tests cover all of it but the graphs themselves.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engine_proc.layers.eager_op import recording
+
+logger = logging.getLogger(__name__)
+
+MAX_MIXED_SIZE = 512  # vLLM's default cap on the sizes captured: larger steps are compute
+
+
+def mixed_capture_sizes(max_num_batched_tokens: int, max_size: int = MAX_MIXED_SIZE
+                        ) -> tuple[int, ...]:
+    """Token counts to capture mixed steps at: 8, 16, then every 32 up to the smaller of
+    `max_size` and a step's most tokens, and that one (a step's chunks fill its token budget
+    or end a prompt, so sizes past the small ones are spread evenly)."""
+    limit = min(max_size, max_num_batched_tokens)
+    sizes = {s for s in (8, 16, *range(32, limit + 1, 32)) if s <= limit}
+    return tuple(sorted(sizes | {limit})) if limit >= 1 else ()
+
+
+# forward(input_ids [size], positions [3, size]) -> hidden states [size, hidden]; the
+# caller sets the capture layout's Context around it
+Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class _Cut:
+    op: Callable[..., torch.Tensor]
+    inputs: tuple[torch.Tensor, ...]  # static, [size, ...]
+    layout_type: type
+    out: torch.Tensor  # static, [size, ...]: what the next piece reads
+
+
+@dataclass
+class _Pieces:
+    """One size's graphs: len(cuts) + 1, a cut after each but the last."""
+
+    graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)
+    cuts: list[_Cut] = field(default_factory=list)
+    output: torch.Tensor | None = None
+
+
+class _StaticBuffers:
+    """The cuts' static buffers at the largest size, by (role, shape after the first
+    dimension, dtype): `view` gives the first `size` rows."""
+
+    def __init__(self, max_size: int, device: torch.device) -> None:
+        self.max_size = max_size
+        self.device = device
+        self.buffers: dict[tuple, torch.Tensor] = {}
+        self.frozen = False  # during a capture nothing may be allocated
+
+    def view(self, role: object, like: torch.Tensor, size: int) -> torch.Tensor:
+        key = (role, tuple(like.shape[1:]), like.dtype)
+        buffer = self.buffers.get(key)
+        if buffer is None:
+            if self.frozen:
+                raise RuntimeError(f"a cut at {key} was not seen in the warm-up run")
+            buffer = torch.zeros((self.max_size, *like.shape[1:]), dtype=like.dtype,
+                                 device=self.device)
+            self.buffers[key] = buffer
+        return buffer[:size]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+
+class _Eager:
+    """Runs a forward's cuts eagerly: the warm-up before a capture (the layouts the forward
+    passes), and the stand-in replay (the step's layouts, on its first `rows` rows)."""
+
+    def __init__(self, static: _StaticBuffers, size: int, rows: int,
+                 layouts: dict[type, object] | None) -> None:
+        self.static, self.size, self.rows, self.layouts = static, size, rows, layouts
+
+    def cut(self, op, inputs, layout):
+        n = self.rows
+        static_in = _copy_inputs(self.static, inputs, self.size)
+        if self.layouts is not None:
+            layout = self.layouts[type(layout)]
+        out = op(*(t[:n] for t in static_in), layout)
+        static_out = self.static.view("out", out, self.size)
+        static_out[:n].copy_(out)
+        return static_out
+
+
+class _Capture:
+    """Records a forward as graphs cut at its eager ops (which run between them on the
+    capture's layouts, for their outputs' shapes)."""
+
+    def __init__(self, static: _StaticBuffers, size: int, pool) -> None:
+        self.static, self.size, self.pool = static, size, pool
+        self.pieces = _Pieces()
+        self._begin()
+
+    def _begin(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self.pool)
+        self.pieces.graphs.append(graph)
+
+    def cut(self, op, inputs, layout):
+        static_in = _copy_inputs(self.static, inputs, self.size)  # recorded: the piece's end
+        self.pieces.graphs[-1].capture_end()
+        out = op(*static_in, layout)
+        static_out = self.static.view("out", out, self.size)
+        static_out.copy_(out)
+        self.pieces.cuts.append(_Cut(op, static_in, type(layout), static_out))
+        self._begin()
+        return static_out
+
+    def finish(self, output: torch.Tensor) -> _Pieces:
+        self.pieces.graphs[-1].capture_end()
+        self.pieces.output = output
+        return self.pieces
+
+
+def _copy_inputs(static: _StaticBuffers, inputs: tuple[torch.Tensor, ...],
+                 size: int) -> tuple[torch.Tensor, ...]:
+    copies = []
+    for i, t in enumerate(inputs):
+        buffer = static.view(("in", i), t, size)
+        buffer.copy_(t)
+        copies.append(buffer)
+    return tuple(copies)
+
+
+class PiecewiseGraphs:
+    """Mixed steps of up to `max_size` tokens as pieces of CUDA graphs, one set per size.
+
+    `capture(forward)` at start, `forward(input_ids, positions)` running the model on a
+    size's static buffers under the capture layout's Context (the runner's). `replay(ids,
+    positions, layouts)` per step: the step's tokens copied into the buffers, padded to
+    their bucket, the pieces replayed with the cuts' ops run on `layouts` (the step's
+    AttentionMetadata and, in hybrid models, StateMetadata, by type) and the first n rows
+    of the output back (valid until the next replay). `capture_bytes`: the device memory
+    the graphs and the static buffers took."""
+
+    def __init__(self, sizes: Sequence[int], *, device: torch.device | str,
+                 use_graphs: bool | None = None) -> None:
+        if not sizes:
+            raise ValueError("no capture sizes")
+        self.sizes = tuple(sorted(set(sizes)))
+        self.device = torch.device(device)
+        self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+        if self.use_graphs and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
+        pin = self.device.type == "cuda"
+        self.input_ids = torch.zeros(self.max_size, dtype=torch.int64, device=self.device)
+        self.positions = torch.zeros(3, self.max_size, dtype=torch.int64, device=self.device)
+        self._ids_host = torch.zeros(self.max_size, dtype=torch.int64, pin_memory=pin)
+        self._positions_host = torch.zeros(3, self.max_size, dtype=torch.int64, pin_memory=pin)
+        self.static = _StaticBuffers(self.max_size, self.device)
+        self.forward: Forward | None = None
+        self.pieces: dict[int, _Pieces] = {}
+        self.capture_bytes = 0
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
+
+    def bucket(self, num_tokens: int) -> int | None:
+        """The size a step of `num_tokens` tokens replays at; None: it runs eagerly."""
+        i = bisect.bisect_left(self.sizes, num_tokens)
+        return self.sizes[i] if i < len(self.sizes) and num_tokens >= 1 else None
+
+    @torch.inference_mode()
+    def capture(self, forward: Forward) -> None:
+        self.forward = forward
+        sizes = reversed(self.sizes)  # largest first: the static buffers at their full size
+        if not self.use_graphs:
+            for size in sizes:  # the warm-up alone: it allocates the static buffers
+                self._run_eager(size, size, None)
+            return
+        torch.cuda.synchronize(self.device)
+        free_before, _ = torch.cuda.mem_get_info(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)  # capture needs a stream other than the default
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for size in sizes:
+                self._run_eager(size, size, None)
+                torch.cuda.synchronize(self.device)
+                self.static.frozen = True
+                capture = _Capture(self.static, size, pool)
+                try:
+                    with recording(capture):
+                        output = forward(self.input_ids[:size], self.positions[:, :size])
+                    self.pieces[size] = capture.finish(output)
+                finally:
+                    self.static.frozen = False
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        free_after, _ = torch.cuda.mem_get_info(self.device)
+        self.capture_bytes = max(0, free_before - free_after)
+        logger.info("captured mixed-step graphs for %d token counts (%d-%d), %d pieces each, "
+                    "in %.1f MiB", len(self.sizes), self.sizes[0], self.max_size,
+                    len(self.pieces[self.max_size].graphs), self.capture_bytes / (1 << 20))
+
+    def _run_eager(self, size: int, rows: int, layouts: dict[type, object] | None
+                   ) -> torch.Tensor:
+        with recording(_Eager(self.static, size, rows, layouts)):
+            return self.forward(self.input_ids[:size], self.positions[:, :size])
+
+    def replay(self, input_ids: np.ndarray, positions: np.ndarray,
+               layouts: dict[type, object]) -> torch.Tensor:
+        """Hidden states [n, hidden] of a step's n tokens (ids int64 [n], positions [3, n])."""
+        if self.forward is None:
+            raise RuntimeError("replay before capture")
+        n = len(input_ids)
+        size = self.bucket(n)
+        if size is None:
+            raise ValueError(f"a step of {n} tokens has no graphs (sizes up to "
+                             f"{self.max_size}): run it eagerly")
+        self._load(input_ids, positions, size)
+        if not self.use_graphs:
+            with torch.inference_mode():
+                return self._run_eager(size, n, layouts)[:n]
+        pieces = self.pieces[size]
+        for graph, cut in zip(pieces.graphs, pieces.cuts, strict=False):
+            graph.replay()
+            out = cut.op(*(t[:n] for t in cut.inputs), layouts[cut.layout_type])
+            cut.out[:n].copy_(out)
+        pieces.graphs[-1].replay()
+        return pieces.output[:n]
+
+    def _load(self, input_ids: np.ndarray, positions: np.ndarray, size: int) -> None:
+        """The step's ids and positions, rows n..size padding, in one non-blocking copy each
+        (positions whole: its first columns are not contiguous). The host buffers are reused
+        next step: the runner's one sync per step comes after the copy has run."""
+        n = len(input_ids)
+        ids, pos = self._ids_host.numpy(), self._positions_host.numpy()
+        ids[:n] = input_ids
+        ids[n:size] = 0
+        pos[:, :n] = positions
+        pos[:, n:size] = 0
+        self.input_ids[:size].copy_(self._ids_host[:size], non_blocking=True)
+        self.positions.copy_(self._positions_host, non_blocking=True)

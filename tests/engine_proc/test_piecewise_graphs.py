@@ -1,0 +1,161 @@
+"""Mixed steps in pieces (engine_proc/piecewise_graphs.py): the sizes, and engines whose
+steps with prompt chunks go through the pieces (static buffers padded to a bucket, cuts
+running attention and Gated DeltaNet's state update on the step's own layout) against the
+same engines eager, under staggered arrivals so that chunks and decodes share steps. On a
+CPU the eager stand-in runs the pieces; the `gpu` cases replay real CUDA graphs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine_proc.layers.eager_op import eager_op, recording
+from engine_proc.piecewise_graphs import MAX_MIXED_SIZE, PiecewiseGraphs, mixed_capture_sizes
+
+
+@pytest.mark.parametrize("tokens, max_size, expected", [
+    (2048, MAX_MIXED_SIZE, (8, 16, *range(32, 513, 32))),
+    (100, MAX_MIXED_SIZE, (8, 16, 32, 64, 96, 100)),  # every step up to the budget has one
+    (2048, 40, (8, 16, 32, 40)),
+    (12, MAX_MIXED_SIZE, (8, 12)),
+    (5, MAX_MIXED_SIZE, (5,)),
+])
+def test_mixed_capture_sizes(tokens, max_size, expected):
+    assert mixed_capture_sizes(tokens, max_size) == expected
+
+
+def test_a_step_runs_in_the_smallest_size_that_holds_its_tokens():
+    graphs = PiecewiseGraphs((8, 16, 32), device="cpu")
+    assert [graphs.bucket(n) for n in (1, 8, 9, 32, 33, 0)] == [8, 8, 16, 32, None, None]
+
+
+class _Layout:
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+
+def _toy_forward(weight: torch.Tensor, layout: _Layout):
+    """Two row-wise pieces around a cut whose op depends on the layout and on the rows it
+    is given (a prefix sum over the step's tokens: padding rows would change it)."""
+    def op(x, step_layout):
+        return torch.cumsum(x, 0) * step_layout.scale
+
+    def forward(ids, positions):
+        x = weight[ids] + positions[0, :, None]
+        y = eager_op(op, (x,), layout)
+        return torch.tanh(y) + x
+    return forward
+
+
+def test_the_pieces_run_the_cuts_on_the_steps_rows_and_layout():
+    weight = torch.randn(20, 4, generator=torch.Generator().manual_seed(0))
+    graphs = PiecewiseGraphs((4, 8), device="cpu")
+    graphs.capture(_toy_forward(weight, _Layout(1.0)))
+    ids, positions = np.array([3, 7, 1, 19, 2]), np.tile(np.arange(10, 15), (3, 1))
+    got = graphs.replay(ids, positions, {_Layout: _Layout(0.5)})
+    direct = _toy_forward(weight, _Layout(0.5))(torch.from_numpy(ids),
+                                                torch.from_numpy(positions))
+    assert got.shape == (5, 4)
+    torch.testing.assert_close(got, direct)
+    # a smaller step after it: padding rows changed nothing, stale rows are not read
+    got = graphs.replay(ids[:2], positions[:, :2], {_Layout: _Layout(2.0)})
+    torch.testing.assert_close(got, _toy_forward(weight, _Layout(2.0))(
+        torch.from_numpy(ids[:2]), torch.from_numpy(positions[:, :2])))
+
+
+def test_eager_ops_run_directly_outside_a_capture_and_captures_do_not_nest():
+    assert eager_op(lambda x, layout: x + layout, (torch.ones(2),), 1.0).tolist() == [2, 2]
+    graphs = PiecewiseGraphs((4,), device="cpu")
+    with recording(object()), pytest.raises(RuntimeError, match="already recording"):
+        with recording(object()):
+            pass
+    with pytest.raises(RuntimeError, match="before capture"):
+        graphs.replay(np.array([1]), np.zeros((3, 1), np.int64), {})
+    graphs.capture(_toy_forward(torch.ones(20, 4), _Layout(1.0)))
+    with pytest.raises(ValueError, match="run it eagerly"):
+        graphs.replay(np.arange(5), np.zeros((3, 5), np.int64), {_Layout: _Layout(1.0)})
+
+
+@pytest.mark.gpu
+def test_cuda_graph_pieces_match_direct_calls():
+    weight = torch.randn(20, 4, generator=torch.Generator().manual_seed(0)).cuda()
+    graphs = PiecewiseGraphs((4, 8), device="cuda")
+    graphs.capture(_toy_forward(weight, _Layout(1.0)))
+    assert sorted(graphs.pieces) == [4, 8] and len(graphs.pieces[8].graphs) == 2
+    for n, scale in ((5, 0.5), (2, 2.0), (8, 1.5)):
+        ids, positions = np.arange(n) * 2, np.tile(np.arange(n), (3, 1))
+        got = graphs.replay(ids, positions, {_Layout: _Layout(scale)}).clone()
+        want = _toy_forward(weight, _Layout(scale))(torch.from_numpy(ids).cuda(),
+                                                    torch.from_numpy(positions).cuda())
+        torch.testing.assert_close(got, want)
+
+
+# ---- engines ------------------------------------------------------------------------------
+
+PROMPTS = [[30], [5], [61], [4, (2, 2), 9], [12], [3], [45], [20]]
+
+
+@pytest.mark.parametrize("preset", ["TINY", "TINY_QWEN3_5", "TINY_QWEN3_VL_MOE"])
+@pytest.mark.parametrize("mode", ["full_and_piecewise", "piecewise"])
+def test_an_engine_running_mixed_steps_in_pieces_gives_its_eager_tokens(monkeypatch, preset,
+                                                                        mode):
+    _pieces_tokens(monkeypatch, preset, mode, "cpu", stand_in=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["TINY", "TINY_QWEN3_5"])
+def test_an_engine_replaying_mixed_step_pieces_gives_its_eager_tokens(monkeypatch, preset):
+    _pieces_tokens(monkeypatch, preset, "full_and_piecewise", "cuda", stand_in=False)
+
+
+def _pieces_tokens(monkeypatch, preset: str, mode: str, device: str, stand_in: bool) -> None:
+    """Requests arrive one per step with prompts longer than a step's token budget, so
+    most steps carry a chunk beside decodes (and prefix-cache state saves in the hybrid);
+    the image prompt's steps run eagerly. Greedy tokens are the eager engine's, over two
+    waves whose second reuses the first's blocks, slots and cached prefixes."""
+    import shared.random_checkpoints as checkpoints
+    from shared.model_config import load_model_config
+    from tests.engine_proc.engine_factory import make_engine
+    from tests.engine_proc.test_engine import make_request
+
+    replays = []
+    replay = PiecewiseGraphs.replay
+    monkeypatch.setattr(PiecewiseGraphs, "replay",
+                        lambda self, ids, pos, layouts: replays.append(len(ids))
+                        or replay(self, ids, pos, layouts))
+    path = checkpoints.ensure_checkpoint(getattr(checkpoints, preset))
+    config = load_model_config(path)
+    engines = []
+
+    def run(**kw) -> list[dict]:
+        engine = make_engine(path, max_num_seqs=8, max_num_batched_tokens=24, device=device,
+                             **kw)
+        engines.append(engine)
+        waves = []
+        for wave in range(2):
+            pending = [make_request(config, f"r{i}", p, wave, max_tokens=10)
+                       for i, p in enumerate(PROMPTS)]
+            results = {r.request_id: [] for r in pending}
+            while pending or engine.has_unfinished_requests():
+                if pending:
+                    engine.add_request(pending.pop(0))
+                for output in engine.step():
+                    assert output.error is None, output.error
+                    results[output.request_id].extend(output.new_token_ids)
+            waves.append(results)
+        return waves
+
+    eager = run()
+    assert not replays
+    pieces = run(enforce_eager=False, cudagraph_mode=mode, cudagraph_capture_sizes=(1, 2, 4, 8),
+                 graph_stand_in=stand_in)
+    assert pieces == eager
+    eager_stats, stats = (engine.stats() for engine in engines)
+    assert eager_stats.num_piecewise_steps == 0
+    assert stats.num_piecewise_steps == len(replays) > 10
+    assert max(replays) <= 24 and len(set(replays)) > 3  # several buckets, none past the budget
+    if mode == "piecewise":
+        assert stats.num_graph_steps == 0
+    else:
+        assert stats.num_graph_steps > 0
