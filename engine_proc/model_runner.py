@@ -48,6 +48,7 @@ from engine_proc.state_cache import StateShape, allocate_state_cache, plan_state
 from engine_proc.step_inputs import (
     ImagePieces,
     StepInputs,
+    capture_layout,
     copy_state_slots,
     forward_capture_layout,
     forward_decode_buffers,
@@ -267,8 +268,10 @@ class ModelRunner:
                                  use_graphs=self.on_cuda and not stand_in)
         padding = self._graph_padding()
         try:
-            graphs.capture(lambda ids, positions: forward_capture_layout(
-                self.model, ids, positions, padding, self.block_size))
+            graphs.capture(
+                lambda ids, positions, layout: forward_capture_layout(self.model, ids,
+                                                                      positions, layout),
+                lambda size: capture_layout(size, padding, self.block_size, self.device))
         except Exception:  # an op in a piece that waits on the host
             logger.warning("steps with prompt chunks run eagerly: capturing their CUDA graphs "
                            "in pieces failed", exc_info=True)
@@ -499,7 +502,8 @@ class ModelRunner:
         try:
             if len(inputs.state_restores):
                 copy_state_slots(self.state_cache, inputs.state_restores, self._to_device)
-            hidden = self.mixed_graphs.replay(inputs.input_ids, inputs.positions, layouts)
+            hidden = self.mixed_graphs.replay(self._to_device(inputs.input_ids),
+                                              self._to_device(inputs.positions), layouts)
             if len(inputs.state_saves):
                 copy_state_slots(self.state_cache, inputs.state_saves, self._to_device)
         finally:

@@ -22,8 +22,11 @@ are written for the step's real tokens only.
 Capture, per size, largest first: an eager run that compiles the kernels and allocates the
 static buffers (at the largest size), then the capture, on a layout of one sequence of
 `size` fresh tokens whose keys all go to the padding slot (the decode graphs' reserved
-block) and with no recurrent state kept. All sizes share one memory pool: their pieces
-replay in the order they were captured and never overlap.
+block) and with no recurrent state kept, built before the capture begins (a layout built
+inside a graph would only be recorded, never run). During a capture each cut's op runs
+between the graphs for its output's shape, on inputs the graph has only recorded (the
+warm-up's values: finite). All sizes share one memory pool: their pieces replay in the
+order they were captured and never overlap.
 
 On a CPU (or with `use_graphs=False`) `replay` runs the same pieces, static buffers,
 padding and cuts eagerly: the CPU tests cover all of it but the graphs themselves.
@@ -36,7 +39,6 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from engine_proc.layers.eager_op import recording
@@ -56,9 +58,10 @@ def mixed_capture_sizes(max_num_batched_tokens: int, max_size: int = MAX_MIXED_S
     return tuple(sorted(sizes | {limit})) if limit >= 1 else ()
 
 
-# forward(input_ids [size], positions [3, size]) -> hidden states [size, hidden]; the
-# caller sets the capture layout's Context around it
-Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# forward(input_ids [size], positions [3, size], layout) -> hidden states [size, hidden],
+# run on the capture layout that layout_for(size) built (the caller's: a Context)
+Forward = Callable[[torch.Tensor, torch.Tensor, object], torch.Tensor]
+LayoutFor = Callable[[int], object]
 
 
 @dataclass
@@ -152,6 +155,20 @@ class _Capture:
         self.pieces.output = output
         return self.pieces
 
+    def abort(self, device: torch.device) -> None:
+        """End the capture under way after a failure, so that the stream and the caching
+        allocator leave capture mode (the engine then runs these steps eagerly). An
+        invalidated capture's capture_end raises before it gives the pool back: then the
+        allocator is told directly."""
+        if not torch.cuda.is_current_stream_capturing():
+            return  # the failure came in an op between two graphs
+        try:
+            self.pieces.graphs[-1].capture_end()
+        except RuntimeError:
+            end_allocate = getattr(torch._C, "_cuda_endAllocateToPool", None)
+            if end_allocate is not None:
+                end_allocate(device.index, self.pool)
+
 
 def _copy_inputs(static: _StaticBuffers, inputs: tuple[torch.Tensor, ...],
                  size: int) -> tuple[torch.Tensor, ...]:
@@ -166,10 +183,11 @@ def _copy_inputs(static: _StaticBuffers, inputs: tuple[torch.Tensor, ...],
 class PiecewiseGraphs:
     """Mixed steps of up to `max_size` tokens as pieces of CUDA graphs, one set per size.
 
-    `capture(forward)` at start, `forward(input_ids, positions)` running the model on a
-    size's static buffers under the capture layout's Context (the runner's). `replay(ids,
-    positions, layouts)` per step: the step's tokens copied into the buffers, padded to
-    their bucket, the pieces replayed with the cuts' ops run on `layouts` (the step's
+    `capture(forward, layout_for)` at start: `forward(input_ids, positions, layout)` runs
+    the model on a size's static buffers under `layout_for(size)` (the runner's capture
+    Context, built once per size outside any graph). `replay(ids, positions, layouts)` per
+    step, ids and positions on the device: copied into the buffers, padded to their
+    bucket, the pieces replayed with the cuts' ops run on `layouts` (the step's
     AttentionMetadata and, in hybrid models, StateMetadata, by type) and the first n rows
     of the output back (valid until the next replay). `capture_bytes`: the device memory
     the graphs and the static buffers took."""
@@ -183,13 +201,11 @@ class PiecewiseGraphs:
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         if self.use_graphs and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
-        pin = self.device.type == "cuda"
         self.input_ids = torch.zeros(self.max_size, dtype=torch.int64, device=self.device)
         self.positions = torch.zeros(3, self.max_size, dtype=torch.int64, device=self.device)
-        self._ids_host = torch.zeros(self.max_size, dtype=torch.int64, pin_memory=pin)
-        self._positions_host = torch.zeros(3, self.max_size, dtype=torch.int64, pin_memory=pin)
         self.static = _StaticBuffers(self.max_size, self.device)
         self.forward: Forward | None = None
+        self.layouts: dict[int, object] = {}  # the capture layout of each size
         self.pieces: dict[int, _Pieces] = {}
         self.capture_bytes = 0
 
@@ -203,9 +219,11 @@ class PiecewiseGraphs:
         return self.sizes[i] if i < len(self.sizes) and num_tokens >= 1 else None
 
     @torch.inference_mode()
-    def capture(self, forward: Forward) -> None:
+    def capture(self, forward: Forward, layout_for: LayoutFor) -> None:
         self.forward = forward
-        sizes = reversed(self.sizes)  # largest first: the static buffers at their full size
+        sizes = list(reversed(self.sizes))  # largest first: the static buffers at full size
+        for size in sizes:
+            self.layouts[size] = layout_for(size)
         if not self.use_graphs:
             for size in sizes:  # the warm-up alone: it allocates the static buffers
                 self._run_eager(size, size, None)
@@ -215,34 +233,50 @@ class PiecewiseGraphs:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)  # capture needs a stream other than the default
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for size in sizes:
-                self._run_eager(size, size, None)
-                torch.cuda.synchronize(self.device)
-                self.static.frozen = True
-                capture = _Capture(self.static, size, pool)
-                try:
-                    with recording(capture):
-                        output = forward(self.input_ids[:size], self.positions[:, :size])
-                    self.pieces[size] = capture.finish(output)
-                finally:
-                    self.static.frozen = False
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
+        try:
+            with torch.cuda.stream(stream):
+                for size in sizes:
+                    self._capture(size, pool)
+        finally:
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            torch.cuda.synchronize(self.device)
+            # what the warm-ups and the capture-time ops cached on the side stream
+            torch.cuda.empty_cache()
         free_after, _ = torch.cuda.mem_get_info(self.device)
         self.capture_bytes = max(0, free_before - free_after)
         logger.info("captured mixed-step graphs for %d token counts (%d-%d), %d pieces each, "
                     "in %.1f MiB", len(self.sizes), self.sizes[0], self.max_size,
                     len(self.pieces[self.max_size].graphs), self.capture_bytes / (1 << 20))
 
+    def _capture(self, size: int, pool) -> None:
+        """One size: its warm-up, then its pieces. Before the capture the allocator's cache
+        is emptied (torch.cuda.graph does so): a cudaMalloc the capture needs has room."""
+        self._run_eager(size, size, None)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        self.static.frozen = True
+        capture = _Capture(self.static, size, pool)
+        try:
+            with recording(capture):
+                output = self.forward(self.input_ids[:size], self.positions[:, :size],
+                                      self.layouts[size])
+        except BaseException:
+            capture.abort(self.device)
+            raise
+        finally:
+            self.static.frozen = False
+        self.pieces[size] = capture.finish(output)
+
     def _run_eager(self, size: int, rows: int, layouts: dict[type, object] | None
                    ) -> torch.Tensor:
         with recording(_Eager(self.static, size, rows, layouts)):
-            return self.forward(self.input_ids[:size], self.positions[:, :size])
+            return self.forward(self.input_ids[:size], self.positions[:, :size],
+                                self.layouts[size])
 
-    def replay(self, input_ids: np.ndarray, positions: np.ndarray,
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor,
                layouts: dict[type, object]) -> torch.Tensor:
-        """Hidden states [n, hidden] of a step's n tokens (ids int64 [n], positions [3, n])."""
+        """Hidden states [n, hidden] of a step's n tokens (ids int64 [n], positions [3, n],
+        on the device)."""
         if self.forward is None:
             raise RuntimeError("replay before capture")
         n = len(input_ids)
@@ -262,15 +296,13 @@ class PiecewiseGraphs:
         pieces.graphs[-1].replay()
         return pieces.output[:n]
 
-    def _load(self, input_ids: np.ndarray, positions: np.ndarray, size: int) -> None:
-        """The step's ids and positions, rows n..size padding, in one non-blocking copy each
-        (positions whole: its first columns are not contiguous). The host buffers are reused
-        next step: the runner's one sync per step comes after the copy has run."""
-        n = len(input_ids)
-        ids, pos = self._ids_host.numpy(), self._positions_host.numpy()
-        ids[:n] = input_ids
-        ids[n:size] = 0
-        pos[:, :n] = positions
-        pos[:, n:size] = 0
-        self.input_ids[:size].copy_(self._ids_host[:size], non_blocking=True)
-        self.positions.copy_(self._positions_host, non_blocking=True)
+    def _load(self, input_ids: torch.Tensor, positions: torch.Tensor, size: int) -> None:
+        """The step's ids and positions (already on the device: the runner stages them with
+        the rest of its inputs) into the buffers, rows n..size padding. Device copies: no
+        host buffer here that a step which samples nothing (so does not sync) could
+        overwrite while it is read."""
+        n = input_ids.shape[0]
+        self.input_ids[:n].copy_(input_ids)
+        self.input_ids[n:size].zero_()
+        self.positions[:, :n].copy_(positions)
+        self.positions[:, n:size].zero_()

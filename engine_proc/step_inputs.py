@@ -209,10 +209,10 @@ def capture_layout(num_tokens: int, padding, block_size: int,
 
 
 def forward_capture_layout(model: torch.nn.Module, input_ids: torch.Tensor,
-                           positions: torch.Tensor, padding, block_size: int) -> torch.Tensor:
-    """Hidden states [T, hidden] of a mixed step's pieces on the capture layout; the eager
-    ops between them (attention, state updates) see the step's own layout at replay."""
-    context = capture_layout(input_ids.shape[0], padding, block_size, input_ids.device)
+                           positions: torch.Tensor, context: Context) -> torch.Tensor:
+    """Hidden states [T, hidden] of a mixed step's pieces on the capture layout (built
+    before the capture: `capture_layout`); the eager ops between them (attention, state
+    updates) see the step's own layout at replay."""
     set_context(context)
     try:
         return model(model.embed_tokens(input_ids), positions, None)

@@ -41,27 +41,36 @@ def _toy_forward(weight: torch.Tensor, layout: _Layout):
     def op(x, step_layout):
         return torch.cumsum(x, 0) * step_layout.scale
 
-    def forward(ids, positions):
+    def forward(ids, positions, capture_layout=None):
         x = weight[ids] + positions[0, :, None]
         y = eager_op(op, (x,), layout)
         return torch.tanh(y) + x
     return forward
 
 
+def _layout_for(size: int) -> _Layout:
+    """A capture layout, built outside any capture: one built inside a graph would only be
+    recorded, never run (its tensors' contents undefined at the capture-time ops)."""
+    import engine_proc.layers.eager_op as hook
+
+    assert hook._recorder is None
+    return _Layout(float(size))
+
+
 def test_the_pieces_run_the_cuts_on_the_steps_rows_and_layout():
     weight = torch.randn(20, 4, generator=torch.Generator().manual_seed(0))
     graphs = PiecewiseGraphs((4, 8), device="cpu")
-    graphs.capture(_toy_forward(weight, _Layout(1.0)))
+    graphs.capture(_toy_forward(weight, _Layout(1.0)), _layout_for)
+    assert sorted(graphs.layouts) == [4, 8]
     ids, positions = np.array([3, 7, 1, 19, 2]), np.tile(np.arange(10, 15), (3, 1))
+    ids, positions = torch.from_numpy(ids), torch.from_numpy(positions)
     got = graphs.replay(ids, positions, {_Layout: _Layout(0.5)})
-    direct = _toy_forward(weight, _Layout(0.5))(torch.from_numpy(ids),
-                                                torch.from_numpy(positions))
+    direct = _toy_forward(weight, _Layout(0.5))(ids, positions)
     assert got.shape == (5, 4)
     torch.testing.assert_close(got, direct)
     # a smaller step after it: padding rows changed nothing, stale rows are not read
     got = graphs.replay(ids[:2], positions[:, :2], {_Layout: _Layout(2.0)})
-    torch.testing.assert_close(got, _toy_forward(weight, _Layout(2.0))(
-        torch.from_numpy(ids[:2]), torch.from_numpy(positions[:, :2])))
+    torch.testing.assert_close(got, _toy_forward(weight, _Layout(2.0))(ids[:2], positions[:, :2]))
 
 
 def test_eager_ops_run_directly_outside_a_capture_and_captures_do_not_nest():
@@ -71,23 +80,23 @@ def test_eager_ops_run_directly_outside_a_capture_and_captures_do_not_nest():
         with recording(object()):
             pass
     with pytest.raises(RuntimeError, match="before capture"):
-        graphs.replay(np.array([1]), np.zeros((3, 1), np.int64), {})
-    graphs.capture(_toy_forward(torch.ones(20, 4), _Layout(1.0)))
+        graphs.replay(torch.ones(1, dtype=torch.int64), torch.zeros(3, 1, dtype=torch.int64), {})
+    graphs.capture(_toy_forward(torch.ones(20, 4), _Layout(1.0)), _layout_for)
     with pytest.raises(ValueError, match="run it eagerly"):
-        graphs.replay(np.arange(5), np.zeros((3, 5), np.int64), {_Layout: _Layout(1.0)})
+        graphs.replay(torch.arange(5), torch.zeros(3, 5, dtype=torch.int64),
+                      {_Layout: _Layout(1.0)})
 
 
 @pytest.mark.gpu
 def test_cuda_graph_pieces_match_direct_calls():
     weight = torch.randn(20, 4, generator=torch.Generator().manual_seed(0)).cuda()
     graphs = PiecewiseGraphs((4, 8), device="cuda")
-    graphs.capture(_toy_forward(weight, _Layout(1.0)))
+    graphs.capture(_toy_forward(weight, _Layout(1.0)), _layout_for)
     assert sorted(graphs.pieces) == [4, 8] and len(graphs.pieces[8].graphs) == 2
     for n, scale in ((5, 0.5), (2, 2.0), (8, 1.5)):
-        ids, positions = np.arange(n) * 2, np.tile(np.arange(n), (3, 1))
+        ids, positions = torch.arange(n).cuda() * 2, torch.arange(n).cuda().repeat(3, 1)
         got = graphs.replay(ids, positions, {_Layout: _Layout(scale)}).clone()
-        want = _toy_forward(weight, _Layout(scale))(torch.from_numpy(ids).cuda(),
-                                                    torch.from_numpy(positions).cuda())
+        want = _toy_forward(weight, _Layout(scale))(ids, positions)
         torch.testing.assert_close(got, want)
 
 
