@@ -3,8 +3,8 @@
 tensor built from a Python list on the device, .item(), nonzero, a stream sync) raises under
 torch's sync debug mode, which is on for the whole of each step here: scheduling, inputs,
 the forward (eager, decode graphs, mixed-step pieces), sampling with penalties, top-p/top-k,
-min_tokens and log-probabilities, postprocessing. Text only: an image's pixels cross in a pageable
-copy by design (engine_proc/model_runner.py, _pixels_to_device)."""
+min_tokens and log-probabilities, postprocessing. Text only: an image's pixels cross in a
+pageable copy by design (engine_proc/model_runner.py, _pixels_to_device)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ SAMPLING = [dict(), dict(repetition_penalty=1.2, presence_penalty=0.5),
 def test_a_step_waits_on_the_device_once(monkeypatch, preset, eager):
     import shared.random_checkpoints as checkpoints
     from engine_proc.layers import gated_delta_rule_fla
+    from engine_proc.step_staging import StepStaging
     from shared.model_config import load_model_config
     from tests.engine_proc.engine_factory import make_engine
     from tests.engine_proc.test_engine import make_request
@@ -47,6 +48,8 @@ def test_a_step_waits_on_the_device_once(monkeypatch, preset, eager):
     # per prefill step of a hybrid model)
     monkeypatch.setattr(gated_delta_rule_fla, "prefill_",
                         allowed(gated_delta_rule_fla.prefill_, "fla"))
+    # the staging arena waits for its copies of two steps back (long done; an event sync)
+    monkeypatch.setattr(StepStaging, "reset", allowed(StepStaging.reset, "staging"))
     path = checkpoints.ensure_checkpoint(getattr(checkpoints, preset))
     config = load_model_config(path)
     engine = make_engine(path, device="cuda", dtype="bfloat16", max_num_batched_tokens=24,
