@@ -7,7 +7,9 @@
 #
 # Steps (default: all, in this order): env tests e2e moe bench bench3b soak; and, asked for
 # by name, kernels (the Triton paged decode kernel against the eager path, one layer) and
-# bench35 (the qwen3.5-0.8b preset's rows: text c=1/32/128, 448px c=32) and graphs (the
+# bench35 (the qwen3.5-0.8b preset's rows: text c=1/32/128, 448px c=32; bench3b has the 3b
+# preset's: text c=1/32/128, 1024px c=32, 448px c=64; both on one server each with
+# BENCH_ARGS, default --no-enforce-eager) and graphs (the
 # 3b and qwen3.5 text rows at c=1 and c=32, --no-enforce-eager beside --enforce-eager in
 # one table with ratios, GRAPH_MODELS picks the presets; then mixed lengths at c=64, steps
 # with prompt chunks in pieces beside eager, MIXED_MODELS ("3b")) and soak35 (the seeds' workload:
@@ -35,7 +37,8 @@ if [ -d .whl ] && ! "$PY" -c "import zmq, fastapi, xgrammar, av, fla" 2>/dev/nul
 fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}"
 FS="$PY -m flatserve.cli"
-export PY FS OUT LOG
+PORT=${PORT:-8011}
+export PY FS OUT LOG PORT
 
 step() {  # step NAME LIMIT_S command...: run, log, print one summary line
     local name=$1 limit=$2 start rc
@@ -110,26 +113,56 @@ run_bench() {  # the README's rows on the tiny model
         --concurrency 32 --num-requests "$n" --no-progress
 }
 
-run_bench3b() {  # Qwen2.5-VL-3B shapes, random bf16 weights
-    local m
-    m=$(model 3b)
-    busy bench3b_text_c32 $FS bench --workload text --prompt-len 256 --output-len 128 \
-        --ignore-eos --concurrency 32 --num-requests 128 --no-progress -- --model "$m"
-    $FS bench --workload image --image-size 1024 --output-len 64 --ignore-eos \
-        --concurrency 32 --num-requests 128 --no-progress \
-        -- --model "$m"
+serve_bg() {  # serve_bg NAME args...: a server in the background on $PORT for the rows
+    # after it (bench --base-url: one start for a preset's rows); stop_bg stops it
+    $FS serve --port "$PORT" "${@:2}" >"$OUT/server_$1.log" 2>&1 &
+    SERVER_PID=$!
+    "$PY" - "$PORT" "$SERVER_PID" <<'PYEOF' || { stop_bg; return 1; }
+import os, sys, time, urllib.request
+port, pid = sys.argv[1], int(sys.argv[2])
+for _ in range(1200):
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+        sys.exit(0)
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            sys.exit("the server exited before it was healthy")
+        time.sleep(0.5)
+sys.exit("the server was not healthy in 600 s")
+PYEOF
+}
+
+stop_bg() { kill -INT "$SERVER_PID" 2>/dev/null; wait "$SERVER_PID" 2>/dev/null; true; }
+
+rows() {  # rows PRESET: the GPU issues' rows on one server with graphs (BENCH_ARGS, default
+    # --no-enforce-eager): text 256 words / 128 tokens at c=1, 32, 128 (GPU busy sampled),
+    # then the preset's image rows (IMAGE_ROWS: "size:concurrency ...")
+    local p=$1 c size
+    serve_bg "rows_$p" --model "$(model "$p")" --max-num-seqs 128 \
+        ${BENCH_ARGS---no-enforce-eager} || return 1
+    for c in 1 32 128; do
+        busy "${p}_text_c$c" $FS bench --base-url "http://127.0.0.1:$PORT" --workload text \
+            --prompt-len 256 --output-len 128 --ignore-eos --concurrency "$c" \
+            --num-requests $(( c < 32 ? 8 : 2 * c )) --no-progress --label "$p text c=$c"
+    done
+    for size in $IMAGE_ROWS; do
+        c=${size#*:}
+        $FS bench --base-url "http://127.0.0.1:$PORT" --workload image \
+            --image-size "${size%:*}" --output-len 64 --ignore-eos --concurrency "$c" \
+            --num-requests $(( 3 * c )) --no-progress --label "$p ${size%:*}px c=$c"
+    done
+    stop_bg
+    grep -h "replayed decode graphs" "$OUT/server_rows_$p.log" || true
+}
+
+run_bench3b() {  # Qwen2.5-VL-3B shapes, random bf16 weights: the GPU engine issue's rows
+    IMAGE_ROWS="1024:32 448:64" rows 3b
 }
 
 run_bench35() {  # Qwen3.5-0.8B shapes, random bf16 weights (the Qwen3.5-on-GPU issue's rows)
-    local m
-    m=$(model qwen3.5-0.8b)
-    for c in 1 32 128; do
-        busy "bench35_text_c$c" $FS bench --workload text --prompt-len 256 --output-len 128 \
-            --ignore-eos --concurrency "$c" --num-requests $(( c < 32 ? 8 : 2 * c )) \
-            --no-progress -- --model "$m" --max-num-seqs 128
-    done
-    $FS bench --workload image --image-size 448 --output-len 64 --ignore-eos \
-        --concurrency 32 --num-requests 128 --no-progress -- --model "$m" --max-num-seqs 128
+    IMAGE_ROWS="448:32" rows qwen3.5-0.8b
 }
 
 run_soak35() {  # the seeds' workload: Qwen3.5-0.8B, 1024px, c=128, 10% disconnects
@@ -177,11 +210,11 @@ run_kernels() {  # Qwen2.5-VL-3B's and Qwen3.5-0.8B's attention shapes, bf16
         --json "$OUT/paged_decode_0_8b.json"
 }
 
-export -f model busy run_env run_tests run_e2e run_moe run_bench run_bench3b run_bench35 run_soak \
+export -f model busy serve_bg stop_bg rows run_env run_tests run_e2e run_moe run_bench run_bench3b run_bench35 run_soak \
     run_kernels run_graphs run_soak35
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(env tests e2e moe bench bench3b soak)
-declare -A LIMIT=([env]=60 [tests]=180 [e2e]=300 [moe]=60 [bench]=80 [bench3b]=200
+declare -A LIMIT=([env]=60 [tests]=180 [e2e]=300 [moe]=60 [bench]=80 [bench3b]=300
                   [soak]=260 [kernels]=90 [bench35]=240
                   [graphs]=${GRAPHS_LIMIT:-480} [soak35]=400)
 for s in "${steps[@]}"; do
