@@ -243,7 +243,7 @@ class EngineStatsCollector(Collector):
         yield CounterMetricFamily(
             "flatserve_piecewise_graph_steps", "Forwards with prompt chunks (or decodes past "
             "the decode graphs) that replayed CUDA graphs in pieces around their attention "
-            "(the rest ran eagerly: image rows, or more tokens than the largest size)",
+            "(the rest ran eagerly: more tokens than the largest size)",
             value=total("num_piecewise_steps"))
         yield GaugeMetricFamily(
             "flatserve_state_slots_free", "Recurrent state slots no running request holds",

@@ -50,6 +50,7 @@ from engine_proc.step_inputs import (
     StepInputs,
     capture_layout,
     copy_state_slots,
+    embed_inputs,
     forward_capture_layout,
     forward_decode_buffers,
     forward_step,
@@ -264,13 +265,15 @@ class ModelRunner:
 
     def _capture_mixed_graphs(self, sizes: tuple[int, ...], stand_in: bool
                               ) -> PiecewiseGraphs | None:
-        graphs = PiecewiseGraphs(sizes, device=self.device,
+        hidden = self.config.text.hidden_size
+        num_deepstack = len(self.config.vision.deepstack_visual_indexes)
+        graphs = PiecewiseGraphs(sizes, hidden=hidden, dtype=self.dtype,
+                                 deepstack_width=num_deepstack * hidden, device=self.device,
                                  use_graphs=self.on_cuda and not stand_in)
         padding = self._graph_padding()
         try:
             graphs.capture(
-                lambda ids, positions, layout: forward_capture_layout(self.model, ids,
-                                                                      positions, layout),
+                lambda *inputs: forward_capture_layout(self.model, *inputs),
                 lambda size: capture_layout(size, padding, self.block_size, self.device))
         except Exception:  # an op in a piece that waits on the host
             logger.warning("steps with prompt chunks run eagerly: capturing their CUDA graphs "
@@ -459,9 +462,9 @@ class ModelRunner:
             logits = self.model.compute_logits(self.decode_graphs.replay(inputs))
             return self._sample(logits, sample_seqs)
         pieces = self._image_rows(batch, inputs)  # vision work, on rank 0 only
-        if not pieces and self._runs_pieces(inputs):
+        if self._runs_pieces(inputs):
             self.num_piecewise_steps += 1
-            logits = self._forward_pieces(inputs)
+            logits = self._forward_pieces(inputs, pieces)
         else:
             logits = self._forward(inputs, pieces)
         del pieces
@@ -483,15 +486,15 @@ class ModelRunner:
                 and graphs.bucket(len(inputs.input_ids)) is not None)
 
     def _runs_pieces(self, inputs: StepInputs) -> bool:
-        """Whether a step (without image rows) replays mixed-step pieces: at most their
-        largest size in tokens."""
+        """Whether a step replays mixed-step pieces: at most their largest size in tokens."""
         graphs = self.mixed_graphs
         return graphs is not None and graphs.bucket(len(inputs.input_ids)) is not None
 
-    def _forward_pieces(self, inputs: StepInputs) -> torch.Tensor | None:
-        """forward_step's work, the decoder replayed in pieces: its attention and state
-        updates run on the step's own layouts, built here once (the models build them in
-        their forward)."""
+    def _forward_pieces(self, inputs: StepInputs, pieces: ImagePieces) -> torch.Tensor | None:
+        """forward_step's work, the decoder replayed in pieces: the embeddings (image rows
+        over their placeholders) eagerly, then the pieces, their attention and state
+        updates on the step's own layouts, built here once (the models build them in their
+        forward). The image rows are the caller's (R3: nothing here keeps them)."""
         context = inputs.context(self._to_device)
         num_tokens = len(inputs.input_ids)
         layouts = {AttentionMetadata: build_attention_metadata(context, num_tokens,
@@ -502,8 +505,11 @@ class ModelRunner:
         try:
             if len(inputs.state_restores):
                 copy_state_slots(self.state_cache, inputs.state_restores, self._to_device)
-            hidden = self.mixed_graphs.replay(self._to_device(inputs.input_ids),
-                                              self._to_device(inputs.positions), layouts)
+            embeds, deepstack = embed_inputs(self.model, self._to_device(inputs.input_ids),
+                                             pieces)
+            hidden = self.mixed_graphs.replay(embeds, self._to_device(inputs.positions),
+                                              deepstack, layouts)
+            del embeds, deepstack
             if len(inputs.state_saves):
                 copy_state_slots(self.state_cache, inputs.state_saves, self._to_device)
         finally:

@@ -10,9 +10,11 @@ default (FULL_AND_PIECEWISE) keeps the same split: full graphs for decode-only s
 piecewise ones for the rest.
 
 A step of n tokens runs the pieces captured for the smallest size >= n (its bucket). The
-graphs read token ids and positions from static buffers (rows n.. padding: token 0 at
-position 0); every row is computed independently between the cuts, so padding rows change
-no real row. At each cut the piece ends by copying the op's inputs into static buffers
+graphs read the step's input embeddings (token embeddings with its image rows written over
+their placeholders, computed eagerly before: steps with images replay too), positions and,
+in DeepStack models, the image rows' DeepStack features (zeros on text rows) from static
+buffers, rows n.. padding (zeros); every row is computed independently between the cuts,
+so padding rows change no real row. At each cut the piece ends by copying the op's inputs into static buffers
 (shared by every cut with inputs of that shape: one at a time is in use), the op runs on
 their first n rows with the step's layout, and its n rows are copied into the static
 buffer the next piece reads (rows n.. keep an earlier step's values, finite, never read
@@ -58,9 +60,10 @@ def mixed_capture_sizes(max_num_batched_tokens: int, max_size: int = MAX_MIXED_S
     return tuple(sorted(sizes | {limit})) if limit >= 1 else ()
 
 
-# forward(input_ids [size], positions [3, size], layout) -> hidden states [size, hidden],
-# run on the capture layout that layout_for(size) built (the caller's: a Context)
-Forward = Callable[[torch.Tensor, torch.Tensor, object], torch.Tensor]
+# forward(inputs_embeds [size, hidden], positions [3, size], deepstack [size, k * hidden] or
+# None, layout) -> hidden states [size, hidden], run on the capture layout that
+# layout_for(size) built (the caller's: a Context)
+Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, object], torch.Tensor]
 LayoutFor = Callable[[int], object]
 
 
@@ -183,16 +186,18 @@ def _copy_inputs(static: _StaticBuffers, inputs: tuple[torch.Tensor, ...],
 class PiecewiseGraphs:
     """Mixed steps of up to `max_size` tokens as pieces of CUDA graphs, one set per size.
 
-    `capture(forward, layout_for)` at start: `forward(input_ids, positions, layout)` runs
-    the model on a size's static buffers under `layout_for(size)` (the runner's capture
-    Context, built once per size outside any graph). `replay(ids, positions, layouts)` per
-    step, ids and positions on the device: copied into the buffers, padded to their
-    bucket, the pieces replayed with the cuts' ops run on `layouts` (the step's
-    AttentionMetadata and, in hybrid models, StateMetadata, by type) and the first n rows
-    of the output back (valid until the next replay). `capture_bytes`: the device memory
-    the graphs and the static buffers took."""
+    `capture(forward, layout_for)` at start: `forward(embeds, positions, deepstack,
+    layout)` runs the model on a size's static buffers under `layout_for(size)` (the
+    runner's capture Context, built once per size outside any graph). `replay(embeds,
+    positions, deepstack, layouts)` per step, on the device: copied into the buffers,
+    padded to their bucket, the pieces replayed with the cuts' ops run on `layouts` (the
+    step's AttentionMetadata and, in hybrid models, StateMetadata, by type) and the first n
+    rows of the output back (valid until the next replay). `hidden` and `dtype`: the
+    embeddings'; `deepstack_width`: DeepStack features' columns (0: none). `capture_bytes`:
+    the device memory the graphs and the static buffers took."""
 
-    def __init__(self, sizes: Sequence[int], *, device: torch.device | str,
+    def __init__(self, sizes: Sequence[int], *, hidden: int, dtype: torch.dtype,
+                 deepstack_width: int = 0, device: torch.device | str,
                  use_graphs: bool | None = None) -> None:
         if not sizes:
             raise ValueError("no capture sizes")
@@ -201,8 +206,10 @@ class PiecewiseGraphs:
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         if self.use_graphs and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
-        self.input_ids = torch.zeros(self.max_size, dtype=torch.int64, device=self.device)
+        self.embeds = torch.zeros(self.max_size, hidden, dtype=dtype, device=self.device)
         self.positions = torch.zeros(3, self.max_size, dtype=torch.int64, device=self.device)
+        self.deepstack = (torch.zeros(self.max_size, deepstack_width, dtype=dtype,
+                                      device=self.device) if deepstack_width else None)
         self.static = _StaticBuffers(self.max_size, self.device)
         self.forward: Forward | None = None
         self.layouts: dict[int, object] = {}  # the capture layout of each size
@@ -258,8 +265,7 @@ class PiecewiseGraphs:
         capture = _Capture(self.static, size, pool)
         try:
             with recording(capture):
-                output = self.forward(self.input_ids[:size], self.positions[:, :size],
-                                      self.layouts[size])
+                output = self.forward(*self._inputs(size), self.layouts[size])
         except BaseException:
             capture.abort(self.device)
             raise
@@ -270,21 +276,25 @@ class PiecewiseGraphs:
     def _run_eager(self, size: int, rows: int, layouts: dict[type, object] | None
                    ) -> torch.Tensor:
         with recording(_Eager(self.static, size, rows, layouts)):
-            return self.forward(self.input_ids[:size], self.positions[:, :size],
-                                self.layouts[size])
+            return self.forward(*self._inputs(size), self.layouts[size])
 
-    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor,
-               layouts: dict[type, object]) -> torch.Tensor:
-        """Hidden states [n, hidden] of a step's n tokens (ids int64 [n], positions [3, n],
-        on the device)."""
+    def _inputs(self, size: int) -> tuple:
+        return (self.embeds[:size], self.positions[:, :size],
+                None if self.deepstack is None else self.deepstack[:size])
+
+    def replay(self, embeds: torch.Tensor, positions: torch.Tensor,
+               deepstack: torch.Tensor | None, layouts: dict[type, object]) -> torch.Tensor:
+        """Hidden states [n, hidden] of a step's n tokens (embeds [n, hidden], positions
+        int64 [3, n], deepstack [n, k * hidden] or None for a step without image rows, on
+        the device)."""
         if self.forward is None:
             raise RuntimeError("replay before capture")
-        n = len(input_ids)
+        n = embeds.shape[0]
         size = self.bucket(n)
         if size is None:
             raise ValueError(f"a step of {n} tokens has no graphs (sizes up to "
                              f"{self.max_size}): run it eagerly")
-        self._load(input_ids, positions, size)
+        self._load(embeds, positions, deepstack, size)
         if not self.use_graphs:
             with torch.inference_mode():
                 return self._run_eager(size, n, layouts)[:n]
@@ -296,13 +306,22 @@ class PiecewiseGraphs:
         pieces.graphs[-1].replay()
         return pieces.output[:n]
 
-    def _load(self, input_ids: torch.Tensor, positions: torch.Tensor, size: int) -> None:
-        """The step's ids and positions (already on the device: the runner stages them with
-        the rest of its inputs) into the buffers, rows n..size padding. Device copies: no
-        host buffer here that a step which samples nothing (so does not sync) could
-        overwrite while it is read."""
-        n = input_ids.shape[0]
-        self.input_ids[:n].copy_(input_ids)
-        self.input_ids[n:size].zero_()
+    def _load(self, embeds: torch.Tensor, positions: torch.Tensor,
+              deepstack: torch.Tensor | None, size: int) -> None:
+        """The step's inputs (already on the device: the runner embeds the tokens, and
+        stages the positions with the rest of its inputs) into the buffers, rows n..size
+        padding. Device copies: no host buffer here that a step which samples nothing (so
+        does not sync) could overwrite while it is read."""
+        n = embeds.shape[0]
+        if (deepstack is not None) and self.deepstack is None:
+            raise ValueError("DeepStack features for pieces captured without them")
+        for buffer, rows in ((self.embeds, embeds), (self.deepstack, deepstack)):
+            if buffer is None:
+                continue
+            if rows is None:  # no image rows: no DeepStack features
+                buffer[:size].zero_()
+            else:
+                buffer[:n].copy_(rows)
+                buffer[n:size].zero_()
         self.positions[:, :n].copy_(positions)
         self.positions[:, n:size].zero_()

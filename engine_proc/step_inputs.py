@@ -150,7 +150,7 @@ def forward_step(model: torch.nn.Module, inputs: StepInputs, pieces: ImagePieces
     try:
         if len(inputs.state_restores):
             copy_state_slots(state_cache, inputs.state_restores, to_device)
-        inputs_embeds, deepstack = _embed(model, to_device(inputs.input_ids), pieces)
+        inputs_embeds, deepstack = embed_inputs(model, to_device(inputs.input_ids), pieces)
         hidden = model(inputs_embeds, to_device(inputs.positions), deepstack)
         if len(inputs.state_saves):
             copy_state_slots(state_cache, inputs.state_saves, to_device)
@@ -208,14 +208,15 @@ def capture_layout(num_tokens: int, padding, block_size: int,
         seq_lens_host=[num_tokens])
 
 
-def forward_capture_layout(model: torch.nn.Module, input_ids: torch.Tensor,
-                           positions: torch.Tensor, context: Context) -> torch.Tensor:
+def forward_capture_layout(model: torch.nn.Module, inputs_embeds: torch.Tensor,
+                           positions: torch.Tensor, deepstack: torch.Tensor | None,
+                           context: Context) -> torch.Tensor:
     """Hidden states [T, hidden] of a mixed step's pieces on the capture layout (built
     before the capture: `capture_layout`); the eager ops between them (attention, state
     updates) see the step's own layout at replay."""
     set_context(context)
     try:
-        return model(model.embed_tokens(input_ids), positions, None)
+        return model(inputs_embeds, positions, deepstack)
     finally:
         reset_context()
 
@@ -228,8 +229,8 @@ def copy_state_slots(state_cache: tuple[torch.Tensor, ...], pairs: np.ndarray,
         tensor.index_copy_(1, dst, tensor.index_select(1, src))
 
 
-def _embed(model: torch.nn.Module, input_ids: torch.Tensor,
-           pieces: ImagePieces) -> tuple[torch.Tensor, torch.Tensor | None]:
+def embed_inputs(model: torch.nn.Module, input_ids: torch.Tensor,
+                 pieces: ImagePieces) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token embeddings with image rows written over the placeholder rows, and for
     DeepStack models (Qwen3-VL) the image rows' DeepStack features [T, k * hidden] (zero on
     text rows), or None. An image's rows carry its DeepStack features as extra columns."""

@@ -153,8 +153,8 @@ class EngineStats:
     gpu_memory_utilization: float = 0.0  # as given; 0: not given
     cuda_graph_bytes: int = 0  # device memory the graphs took at capture (--no-enforce-eager)
     # cumulative: forwards the engine ran, those that replayed a decode graph, and those
-    # that replayed mixed-step pieces (the others ran eagerly: image rows, state copies in
-    # a decode step, or past the largest sizes)
+    # that replayed mixed-step pieces (the others ran eagerly: more tokens than the pieces'
+    # largest size, or graphs off)
     num_forward_steps: int = 0
     num_graph_steps: int = 0
     num_piecewise_steps: int = 0
