@@ -252,7 +252,10 @@ async def test_the_double_s_failures_arrive_as_api_errors(engine_double, prompt)
             await stream.__anext__()
         assert e.value.status == 500 and e.value.__context__ is None
         outs = await _drain(client.submit(prompt("fine", "all good here", max_tokens=2)))
-        assert len(outs) == 2 and outs[-1].finish_reason == "length"
+        # two tokens, in one output or two (outputs that arrive while the reader is behind
+        # are merged)
+        assert sum(len(o.new_token_ids) for o in outs) == 2
+        assert outs[-1].finish_reason == "length"
         assert client.num_in_flight == 0
     finally:
         await client.close()
