@@ -3,7 +3,8 @@
 What a GPU waits on between decode steps is the engine process's Python: scheduling, the
 step's inputs, sampling settings, postprocessing, the engine's stats and the outputs'
 wire encoding. This runs the real engine loop's work on the tiny model with the decoder's
-forward replaced by ready-made logits (so nothing of the model's compute is timed) and
+forward replaced by ready-made logits, 16 columns wide (so nothing of the model's compute is
+timed, nor the sampler's math over a vocabulary, which is the GPU's too) and
 prints, per number of decoding sequences, the host milliseconds a step against the floor of
 a 3B bf16 decode step on an H100 (its 6.2 GB of decoder weights read at 3.35 TB/s: 1.85 ms;
 --floor-ms for another model or card). Host time above the floor is time the GPU idles
@@ -38,12 +39,15 @@ from shared.random_checkpoints.presets import TINY  # noqa: E402
 from shared.sampling_params import SamplingParams  # noqa: E402
 
 PROMPT = list(range(5, 25))
+SAMPLED_COLUMNS = 16  # the ready logits' width (token ids 0-15: every request ignores EOS)
 
 
 def host_ms_per_step(path: Path, num_seqs: int, steps: int) -> float:
     engine = LLMEngine(str(path), max_num_seqs=num_seqs, kv_cache_memory_bytes=256 << 20,
                        max_model_len=1024)
-    logits = torch.randn(num_seqs, engine.model_runner.config.text.vocab_size)
+    # 16 columns, not the vocabulary: the sampler's math over a step's logits (an argmax
+    # over 128 x 151,936 floats takes ~0.3 ms here) is the GPU's work, a launch on the host
+    logits = torch.randn(num_seqs, SAMPLED_COLUMNS)
     original = ModelRunner._forward
     ModelRunner._forward = lambda self, inputs, pieces: logits[: len(inputs.sample_rows)]
     try:
@@ -69,7 +73,7 @@ def decode_only_share(path: Path, concurrency: int, lengths: tuple[int, int],
     """The share of a closed loop's steps (after the first quarter) with no prompt chunk."""
     engine = LLMEngine(str(path), max_num_seqs=max(concurrency, 8),
                        kv_cache_memory_bytes=512 << 20, max_model_len=2048)
-    logits = torch.randn(max(concurrency, 8) * 2, engine.model_runner.config.text.vocab_size)
+    logits = torch.randn(max(concurrency, 8) * 2, SAMPLED_COLUMNS)
     decode_only = []
     original_forward, original_run = ModelRunner._forward, ModelRunner.run
 
