@@ -210,6 +210,8 @@ class PiecewiseGraphs:
         self.positions = torch.zeros(3, self.max_size, dtype=torch.int64, device=self.device)
         self.deepstack = (torch.zeros(self.max_size, deepstack_width, dtype=dtype,
                                       device=self.device) if deepstack_width else None)
+        self._input_bytes = sum(t.numel() * t.element_size() for t in self._buffers())
+        self._rows_held = 0  # rows of the input buffers the last step wrote
         self.static = _StaticBuffers(self.max_size, self.device)
         self.forward: Forward | None = None
         self.layouts: dict[int, object] = {}  # the capture layout of each size
@@ -250,7 +252,7 @@ class PiecewiseGraphs:
             # what the warm-ups and the capture-time ops cached on the side stream
             torch.cuda.empty_cache()
         free_after, _ = torch.cuda.mem_get_info(self.device)
-        self.capture_bytes = max(0, free_before - free_after)
+        self.capture_bytes = max(0, free_before - free_after) + self._input_bytes
         logger.info("captured mixed-step graphs for %d token counts (%d-%d), %d pieces each, "
                     "in %.1f MiB", len(self.sizes), self.sizes[0], self.max_size,
                     len(self.pieces[self.max_size].graphs), self.capture_bytes / (1 << 20))
@@ -277,6 +279,9 @@ class PiecewiseGraphs:
                    ) -> torch.Tensor:
         with recording(_Eager(self.static, size, rows, layouts)):
             return self.forward(*self._inputs(size), self.layouts[size])
+
+    def _buffers(self) -> list[torch.Tensor]:
+        return [t for t in (self.embeds, self.positions, self.deepstack) if t is not None]
 
     def _inputs(self, size: int) -> tuple:
         return (self.embeds[:size], self.positions[:, :size],
@@ -311,17 +316,21 @@ class PiecewiseGraphs:
         """The step's inputs (already on the device: the runner embeds the tokens, and
         stages the positions with the rest of its inputs) into the buffers, rows n..size
         padding. Device copies: no host buffer here that a step which samples nothing (so
-        does not sync) could overwrite while it is read."""
+        does not sync) could overwrite while it is read. Rows an earlier, larger step wrote
+        past this bucket are zeroed too: no copy of an image's embeddings stays behind its
+        step (R3), not even in these fixed buffers."""
         n = embeds.shape[0]
         if (deepstack is not None) and self.deepstack is None:
             raise ValueError("DeepStack features for pieces captured without them")
+        end = max(size, self._rows_held)
         for buffer, rows in ((self.embeds, embeds), (self.deepstack, deepstack)):
             if buffer is None:
                 continue
             if rows is None:  # no image rows: no DeepStack features
-                buffer[:size].zero_()
+                buffer[:end].zero_()
             else:
                 buffer[:n].copy_(rows)
-                buffer[n:size].zero_()
+                buffer[n:end].zero_()
         self.positions[:, :n].copy_(positions)
         self.positions[:, n:size].zero_()
+        self._rows_held = n

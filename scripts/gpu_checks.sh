@@ -123,6 +123,7 @@ port, pid = sys.argv[1], int(sys.argv[2])
 for _ in range(1200):
     try:
         urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+        os.kill(pid, 0)  # healthy, and this server (not another one holding the port)
         sys.exit(0)
     except OSError:
         try:
@@ -139,22 +140,24 @@ stop_bg() { kill -INT "$SERVER_PID" 2>/dev/null; wait "$SERVER_PID" 2>/dev/null;
 rows() {  # rows PRESET: the GPU issues' rows on one server with graphs (BENCH_ARGS, default
     # --no-enforce-eager): text 256 words / 128 tokens at c=1, 32, 128 (GPU busy sampled),
     # then the preset's image rows (IMAGE_ROWS: "size:concurrency ...")
-    local p=$1 c size
+    local p=$1 c size rc=0
     serve_bg "rows_$p" --model "$(model "$p")" --max-num-seqs 128 \
         ${BENCH_ARGS---no-enforce-eager} || return 1
     for c in 1 32 128; do
         busy "${p}_text_c$c" $FS bench --base-url "http://127.0.0.1:$PORT" --workload text \
             --prompt-len 256 --output-len 128 --ignore-eos --concurrency "$c" \
-            --num-requests $(( c < 32 ? 8 : 2 * c )) --no-progress --label "$p text c=$c"
+            --num-requests $(( c < 32 ? 8 : 2 * c )) --no-progress --label "$p text c=$c" \
+            || rc=$?
     done
     for size in $IMAGE_ROWS; do
         c=${size#*:}
         $FS bench --base-url "http://127.0.0.1:$PORT" --workload image \
             --image-size "${size%:*}" --output-len 64 --ignore-eos --concurrency "$c" \
-            --num-requests $(( 3 * c )) --no-progress --label "$p ${size%:*}px c=$c"
+            --num-requests $(( 3 * c )) --no-progress --label "$p ${size%:*}px c=$c" || rc=$?
     done
     stop_bg
     grep -h "replayed decode graphs" "$OUT/server_rows_$p.log" || true
+    return $rc
 }
 
 run_bench3b() {  # Qwen2.5-VL-3B shapes, random bf16 weights: the GPU engine issue's rows

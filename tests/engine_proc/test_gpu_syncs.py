@@ -24,50 +24,47 @@ SAMPLING = [dict(), dict(repetition_penalty=1.2, presence_penalty=0.5),
 def test_a_step_waits_on_the_device_once(monkeypatch, preset, eager):
     import shared.random_checkpoints as checkpoints
     from engine_proc.layers import gated_delta_rule_fla
-    from engine_proc.step_staging import StepStaging
     from shared.model_config import load_model_config
     from tests.engine_proc.engine_factory import make_engine
     from tests.engine_proc.test_engine import make_request
 
     syncs = []
-    tolist = torch.Tensor.tolist
 
     def allowed(function, label):
         def run(*args, **kwargs):
             mode = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode(0)
             try:
-                syncs.append(label)
+                if label != "sampled ids" or args[0].is_cuda:
+                    syncs.append(label)
                 return function(*args, **kwargs)
             finally:
                 torch.cuda.set_sync_debug_mode(mode)
         return run
 
-    monkeypatch.setattr(torch.Tensor, "tolist", allowed(tolist, "sampled ids"))
+    path = checkpoints.ensure_checkpoint(getattr(checkpoints, preset))
+    config = load_model_config(path)
+    # built first: its start-up kernel checks read their references' offsets on the host
+    engine = make_engine(path, device="cuda", dtype="bfloat16", max_num_batched_tokens=24,
+                         enforce_eager=eager, cudagraph_capture_sizes=(1, 2, 4, 8))
+    monkeypatch.setattr(torch.Tensor, "tolist", allowed(torch.Tensor.tolist, "sampled ids"))
     # flash-linear-attention reads its varlen chunk offsets on the host (its own sync, once
     # per prefill step of a hybrid model)
     monkeypatch.setattr(gated_delta_rule_fla, "prefill_",
                         allowed(gated_delta_rule_fla.prefill_, "fla"))
-    # the staging arena waits for its copies of two steps back (long done; an event sync)
-    monkeypatch.setattr(StepStaging, "reset", allowed(StepStaging.reset, "staging"))
-    path = checkpoints.ensure_checkpoint(getattr(checkpoints, preset))
-    config = load_model_config(path)
-    engine = make_engine(path, device="cuda", dtype="bfloat16", max_num_batched_tokens=24,
-                         enforce_eager=eager, cudagraph_capture_sizes=(1, 2, 4, 8))
     pending = [make_request(config, f"r{i}", p, max_tokens=8, **SAMPLING[i])
                for i, p in enumerate(PROMPTS)]
-    steps = 0
     while pending or engine.has_unfinished_requests():
         if pending:
             engine.add_request(pending.pop(0))
+        syncs.clear()
         torch.cuda.set_sync_debug_mode("error")
         try:
             outputs = engine.step()
         finally:
             torch.cuda.set_sync_debug_mode(0)
         assert all(o.error is None for o in outputs), [o.error for o in outputs]
-        steps += 1
-    assert syncs.count("sampled ids") <= steps
+        assert syncs.count("sampled ids") <= 1, syncs
     if not eager:
         stats = engine.stats()
         assert stats.num_graph_steps and stats.num_piecewise_steps

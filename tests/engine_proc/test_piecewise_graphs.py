@@ -87,6 +87,10 @@ def test_the_pieces_run_the_cuts_on_the_steps_rows_and_layout(deepstack):
         embeds, positions, _ = _step(3, 4)
         got = graphs.replay(embeds, positions, None, {_Layout: _Layout(1.0)})
         torch.testing.assert_close(got, _toy_forward(weight, _Layout(1.0))(embeds, positions))
+    # R3: after a small step, nothing of the larger ones before it stays in the buffers
+    graphs.replay(*_step(2, 5)[:2], None, {_Layout: _Layout(1.0)})
+    assert graphs.embeds[:2].any() and not graphs.embeds[2:].any()
+    assert graphs.deepstack is None or not graphs.deepstack.any()
 
 
 def test_eager_ops_run_directly_outside_a_capture_and_captures_do_not_nest():
@@ -130,7 +134,7 @@ def test_an_engine_running_mixed_steps_in_pieces_gives_its_eager_tokens(monkeypa
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("preset", ["TINY", "TINY_QWEN3_5"])
+@pytest.mark.parametrize("preset", ["TINY", "TINY_QWEN3_5", "TINY_QWEN3_VL"])  # DeepStack
 def test_an_engine_replaying_mixed_step_pieces_gives_its_eager_tokens(monkeypatch, preset):
     _pieces_tokens(monkeypatch, preset, "full_and_piecewise", "cuda", stand_in=False)
 
