@@ -66,6 +66,19 @@ def capture_sizes(max_num_seqs: int, sizes: Sequence[int] = (),
     return tuple(sorted({s for s in chosen if 1 <= s <= limit}))
 
 
+def graph_settings(sizes: Sequence[int], device: torch.device | str,
+                   use_graphs: bool | None) -> tuple[tuple[int, ...], torch.device, bool]:
+    """(the sorted sizes, the device, whether real graphs are captured: on CUDA unless
+    `use_graphs` says otherwise; else the eager stand-in) for a set of graphs."""
+    if not sizes:
+        raise ValueError("no capture sizes")
+    device = torch.device(device)
+    use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
+    if use_graphs and device.type != "cuda":
+        raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
+    return tuple(sorted(set(sizes))), device, use_graphs
+
+
 def bucket_for(num_seqs: int, sizes: Sequence[int]) -> int | None:
     """The smallest of the (sorted) captured `sizes` that holds `num_seqs` sequences; None
     above the largest (that step runs eagerly)."""
@@ -264,13 +277,7 @@ class DecodeGraphs:
     def __init__(self, sizes: Sequence[int], max_num_blocks: int, padding: DecodePadding, *,
                  state_slots: bool, device: torch.device | str,
                  use_graphs: bool | None = None) -> None:
-        if not sizes:
-            raise ValueError("no capture sizes")
-        self.sizes = tuple(sorted(set(sizes)))
-        self.device = torch.device(device)
-        self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
-        if self.use_graphs and self.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
+        self.sizes, self.device, self.use_graphs = graph_settings(sizes, device, use_graphs)
         self.inputs = StaticDecodeInputs(self.sizes[-1], max_num_blocks, padding,
                                          state_slots=state_slots, device=self.device)
         self.forward: Callable[[DecodeBuffers], torch.Tensor] | None = None

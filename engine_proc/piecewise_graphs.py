@@ -36,13 +36,13 @@ padding and cuts eagerly: the CPU tests cover all of it but the graphs themselve
 
 from __future__ import annotations
 
-import bisect
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from engine_proc.cuda_graphs import bucket_for, graph_settings
 from engine_proc.layers.eager_op import recording
 
 logger = logging.getLogger(__name__)
@@ -104,10 +104,6 @@ class _StaticBuffers:
                                  device=self.device)
             self.buffers[key] = buffer
         return buffer[:size]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
 
 class _Eager:
@@ -199,13 +195,7 @@ class PiecewiseGraphs:
     def __init__(self, sizes: Sequence[int], *, hidden: int, dtype: torch.dtype,
                  deepstack_width: int = 0, device: torch.device | str,
                  use_graphs: bool | None = None) -> None:
-        if not sizes:
-            raise ValueError("no capture sizes")
-        self.sizes = tuple(sorted(set(sizes)))
-        self.device = torch.device(device)
-        self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
-        if self.use_graphs and self.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
+        self.sizes, self.device, self.use_graphs = graph_settings(sizes, device, use_graphs)
         self.embeds = torch.zeros(self.max_size, hidden, dtype=dtype, device=self.device)
         self.positions = torch.zeros(3, self.max_size, dtype=torch.int64, device=self.device)
         self.deepstack = (torch.zeros(self.max_size, deepstack_width, dtype=dtype,
@@ -224,8 +214,7 @@ class PiecewiseGraphs:
 
     def bucket(self, num_tokens: int) -> int | None:
         """The size a step of `num_tokens` tokens replays at; None: it runs eagerly."""
-        i = bisect.bisect_left(self.sizes, num_tokens)
-        return self.sizes[i] if i < len(self.sizes) and num_tokens >= 1 else None
+        return bucket_for(num_tokens, self.sizes)
 
     @torch.inference_mode()
     def capture(self, forward: Forward, layout_for: LayoutFor) -> None:
