@@ -22,7 +22,6 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from engine_proc.context import reset_context, set_context
 from engine_proc.cuda_graphs import DecodeGraphs, DecodePadding
 from engine_proc.distributed import all_reduce_min, tp_shard
 from engine_proc.encoder_cache import EncoderCache
@@ -49,12 +48,9 @@ from engine_proc.step_inputs import (
     ImagePieces,
     StepInputs,
     capture_layout,
-    copy_state_slots,
-    embed_inputs,
     forward_capture_layout,
     forward_decode_buffers,
     forward_step,
-    sampled_logits,
 )
 from engine_proc.step_staging import StepStaging
 from engine_proc.tensor_parallel import TensorParallelWorkers, rank_device
@@ -491,30 +487,21 @@ class ModelRunner:
         return graphs is not None and graphs.bucket(len(inputs.input_ids)) is not None
 
     def _forward_pieces(self, inputs: StepInputs, pieces: ImagePieces) -> torch.Tensor | None:
-        """forward_step's work, the decoder replayed in pieces: the embeddings (image rows
-        over their placeholders) eagerly, then the pieces, their attention and state
-        updates on the step's own layouts, built here once (the models build them in their
-        forward). The image rows are the caller's (R3: nothing here keeps them)."""
-        context = inputs.context(self._to_device)
-        num_tokens = len(inputs.input_ids)
+        """forward_step with the layers replayed in pieces (the embeddings, image rows over
+        their placeholders, eagerly before them)."""
+        return forward_step(self.model, inputs, pieces, self._to_device, self.state_cache,
+                            decoder=self._replay_pieces)
+
+    def _replay_pieces(self, context, embeds: torch.Tensor, positions: torch.Tensor,
+                       deepstack: torch.Tensor | None) -> torch.Tensor:
+        """The pieces, their attention and state updates on the step's own layouts, built
+        here once (the models build them in their forward)."""
+        num_tokens = embeds.shape[0]
         layouts = {AttentionMetadata: build_attention_metadata(context, num_tokens,
                                                                self.block_size, self.dtype)}
         if self.state_shape is not None:
             layouts[StateMetadata] = build_state_metadata(context, num_tokens)
-        set_context(context)
-        try:
-            if len(inputs.state_restores):
-                copy_state_slots(self.state_cache, inputs.state_restores, self._to_device)
-            embeds, deepstack = embed_inputs(self.model, self._to_device(inputs.input_ids),
-                                             pieces)
-            hidden = self.mixed_graphs.replay(embeds, self._to_device(inputs.positions),
-                                              deepstack, layouts)
-            del embeds, deepstack
-            if len(inputs.state_saves):
-                copy_state_slots(self.state_cache, inputs.state_saves, self._to_device)
-        finally:
-            reset_context()
-        return sampled_logits(self.model, hidden, inputs.sample_rows, self._to_device)
+        return self.mixed_graphs.replay(embeds, positions, deepstack, layouts)
 
     def _sample(self, logits: torch.Tensor, sample_seqs: list[Sequence]
                 ) -> tuple[list[int], list[TokenLogprobs | None] | None]:

@@ -27,6 +27,8 @@ NO_PAIRS = np.zeros((0, 2), dtype=np.int64)
 
 # (first row in the flat batch, rows) of each image piece, and the pieces' rows stacked
 ImagePieces = list[tuple[int, torch.Tensor]]
+# (context, inputs_embeds, positions, deepstack) -> hidden states: a step's layers
+Decoder = Callable[[Context, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 @dataclass
@@ -135,13 +137,16 @@ def split_image_rows(inputs: StepInputs, values: torch.Tensor) -> ImagePieces:
 @torch.inference_mode()
 def forward_step(model: torch.nn.Module, inputs: StepInputs, pieces: ImagePieces,
                  to_device: Callable[[np.ndarray], torch.Tensor],
-                 state_cache: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor | None:
+                 state_cache: tuple[torch.Tensor, ...] | None = None,
+                 decoder: Decoder | None = None) -> torch.Tensor | None:
     """The decoder's forward over one step, on every rank alike: token embeddings with
     the image pieces' rows written over their placeholders, the layers, and the logits of
     the sampled rows ([N, vocab]; None on tensor-parallel ranks other than 0, or when no
     row is sampled). The pieces are the caller's; nothing here keeps them (R3).
     `state_cache`: a hybrid model's state tensors, whose snapshots are restored before the
-    forward and saved after it (engine_proc/state_snapshots.py)."""
+    forward and saved after it (engine_proc/state_snapshots.py). `decoder`: what runs the
+    layers in place of `model(embeds, positions, deepstack)` (the runner's mixed-step
+    pieces, engine_proc/piecewise_graphs.py), given the step's Context too."""
     if not len(inputs.input_ids):  # StepInputs.copies_only
         copy_state_slots(state_cache, inputs.state_restores, to_device)
         return None
@@ -150,21 +155,20 @@ def forward_step(model: torch.nn.Module, inputs: StepInputs, pieces: ImagePieces
     try:
         if len(inputs.state_restores):
             copy_state_slots(state_cache, inputs.state_restores, to_device)
-        inputs_embeds, deepstack = embed_inputs(model, to_device(inputs.input_ids), pieces)
-        hidden = model(inputs_embeds, to_device(inputs.positions), deepstack)
+        inputs_embeds, deepstack = _embed(model, to_device(inputs.input_ids), pieces)
+        positions = to_device(inputs.positions)
+        if decoder is None:
+            hidden = model(inputs_embeds, positions, deepstack)
+        else:
+            hidden = decoder(context, inputs_embeds, positions, deepstack)
         if len(inputs.state_saves):
             copy_state_slots(state_cache, inputs.state_saves, to_device)
     finally:
         reset_context()
     del inputs_embeds, deepstack
-    return sampled_logits(model, hidden, inputs.sample_rows, to_device)
-
-
-def sampled_logits(model: torch.nn.Module, hidden: torch.Tensor, rows: np.ndarray,
-                   to_device: Callable[[np.ndarray], torch.Tensor]) -> torch.Tensor | None:
-    """The logits of the step's sampled rows of `hidden` (None when it samples none)."""
-    if not len(rows):
+    if not len(inputs.sample_rows):
         return None
+    rows = inputs.sample_rows
     if len(rows) < hidden.shape[0] or not np.array_equal(rows, np.arange(len(rows))):
         # the last token of each finished chunk (then prompt rows, prompt_logprobs.py)
         hidden = hidden[to_device(rows)]
@@ -229,8 +233,8 @@ def copy_state_slots(state_cache: tuple[torch.Tensor, ...], pairs: np.ndarray,
         tensor.index_copy_(1, dst, tensor.index_select(1, src))
 
 
-def embed_inputs(model: torch.nn.Module, input_ids: torch.Tensor,
-                 pieces: ImagePieces) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _embed(model: torch.nn.Module, input_ids: torch.Tensor,
+           pieces: ImagePieces) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token embeddings with image rows written over the placeholder rows, and for
     DeepStack models (Qwen3-VL) the image rows' DeepStack features [T, k * hidden] (zero on
     text rows), or None. An image's rows carry its DeepStack features as extra columns."""
