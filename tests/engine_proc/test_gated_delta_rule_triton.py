@@ -4,10 +4,10 @@ CUDA they run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+
+from tests.triton_device import DEVICE, runs_triton
 
 pytest.importorskip("triton")
 from engine_proc.layers import gated_delta_rule_triton as kernel  # noqa: E402
@@ -17,11 +17,7 @@ from engine_proc.layers.gated_delta_rule import (  # noqa: E402
 )
 from tests.tolerance import tolerance_for  # noqa: E402
 
-ON_CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if ON_CUDA else "cpu"
-pytestmark = [pytest.mark.numeric,
-              pytest.mark.skipif(not ON_CUDA and os.environ.get("TRITON_INTERPRET") != "1",
-                                 reason="no CUDA device, and TRITON_INTERPRET is not 1")]
+pytestmark = [pytest.mark.numeric, runs_triton]
 
 SLOTS, STEPS = 7, 3
 SLOT_OF = torch.tensor([5, 1, 3], dtype=torch.int64, device=DEVICE)

@@ -9,10 +9,9 @@ transformers'."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
-import torch
+
+from tests.triton_device import runs_triton
 
 pytest.importorskip("triton")
 from engine_proc.cuda_graphs import DecodeGraphs  # noqa: E402
@@ -24,9 +23,7 @@ from shared.random_checkpoints import TINY_QWEN3_5, ensure_checkpoint  # noqa: E
 from tests.engine_proc.engine_factory import make_engine  # noqa: E402
 from tests.engine_proc.test_engine import Reference, make_request  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="no CUDA device, and TRITON_INTERPRET is not 1")
+pytestmark = runs_triton
 
 
 def test_graph_buffers_through_the_triton_kernels_give_transformers_tokens(monkeypatch):

@@ -6,10 +6,10 @@ in float16 (the interpreter's bfloat16 is not the card's); on a GPU in bfloat16.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+
+from tests.triton_device import DEVICE, ON_CUDA, runs_triton
 
 pytest.importorskip("triton")
 from engine_proc.layers import (  # noqa: E402
@@ -25,10 +25,7 @@ from engine_proc.layers import (  # noqa: E402
 )
 from tests.engine_proc.test_gated_delta_rule_fla import varlen_torch_rule  # noqa: E402
 
-ON_CUDA = torch.cuda.is_available()
-DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
-pytestmark = pytest.mark.skipif(not ON_CUDA and os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="no CUDA device, and TRITON_INTERPRET is not 1")
+pytestmark = runs_triton
 
 # (the module that picks the kernel, its probed lookup, the kernel module, an entry to break)
 PROBES = {

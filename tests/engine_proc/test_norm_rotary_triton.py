@@ -8,22 +8,17 @@ picks them only on a GPU (layers/rms_norm.py's `triton_norm`, rotary_embedding.p
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from engine_proc.layers.rms_norm import RMSNorm, ZeroCenteredRMSNorm
 from engine_proc.layers.rotary_embedding import apply_rotary_
+from tests.triton_device import DEVICE, runs_triton
 
-ON_CUDA = torch.cuda.is_available()
 pytest.importorskip("triton")
 from engine_proc.layers import rms_norm_triton, rotary_triton  # noqa: E402
 
-pytestmark = [pytest.mark.numeric,
-              pytest.mark.skipif(not ON_CUDA and os.environ.get("TRITON_INTERPRET") != "1",
-                                 reason="no CUDA device, and TRITON_INTERPRET is not 1")]
-DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
+pytestmark = [pytest.mark.numeric, runs_triton]
 # bf16 on a GPU only: Triton's interpreter truncates float32 -> bfloat16 (the compiled
 # kernels round to nearest even, as torch does); float16 goes through numpy and rounds
 HALF = [pytest.param(torch.bfloat16, marks=pytest.mark.gpu), torch.float16]

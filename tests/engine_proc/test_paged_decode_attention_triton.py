@@ -9,8 +9,6 @@ cases add serving-sized batches and the 16-bit dtypes' wider shapes."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -18,16 +16,12 @@ from engine_proc.context import Context
 from engine_proc.layers.attention import Attention, build_attention_metadata
 from engine_proc.layers.paged_decode_attention_ref import paged_decode_attention_ref
 from tests.tolerance import rms, tolerance
+from tests.triton_device import DEVICE, runs_triton
 
-ON_CUDA = torch.cuda.is_available()
 pytest.importorskip("triton")
 from engine_proc.layers import paged_decode_attention_triton as triton_op  # noqa: E402
 
-# without CUDA, tests/conftest.py sets TRITON_INTERPRET=1 before triton is imported
-pytestmark = [pytest.mark.numeric,
-              pytest.mark.skipif(not ON_CUDA and os.environ.get("TRITON_INTERPRET") != "1",
-                                 reason="no CUDA device, and TRITON_INTERPRET is not 1")]
-DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
+pytestmark = [pytest.mark.numeric, runs_triton]
 BLOCK = 16
 
 

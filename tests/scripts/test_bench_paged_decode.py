@@ -4,12 +4,13 @@ agreeing with attention.py's eager path (in Triton's interpreter without a GPU).
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.triton_device import runs_triton
 
 pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
@@ -19,8 +20,7 @@ import bench_paged_decode  # noqa: E402
 from tests.tolerance import tolerance  # noqa: E402
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="no CUDA device, and TRITON_INTERPRET is not 1 (tests/conftest.py)")
+@runs_triton
 def test_rows_per_split_count(tmp_path, capsys):
     out = tmp_path / "paged.json"
     device = "cuda" if torch.cuda.is_available() else "cpu"
