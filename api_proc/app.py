@@ -121,7 +121,8 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
     bodies = BodyReader(config.max_body_bytes, admission, config.body_read_timeout_s,
                         config.max_unread_bodies)
     serving = Serving(config, builder, loader, admission, engines, metrics)
-    responses = ResponseWriter(metrics, LogprobsFormatter(builder.decoder))
+    responses = ResponseWriter(metrics, LogprobsFormatter(builder.decoder),
+                               config.stream_interval)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):

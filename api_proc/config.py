@@ -314,6 +314,10 @@ class ApiConfig:
         "answers with ids (return_token_ids), no text; chat and text prompts are refused")
     enable_force_include_usage: bool = opt(
         False, "usage in every streamed chunk, whatever stream_options say (vLLM's)")
+    stream_interval: int = opt(
+        1, "tokens per streamed chunk (vLLM's): a choice's first token is written at once, "
+        "then a chunk once N tokens have come since the last, and its end; fewer, larger "
+        "chunks cost the API process less per token at high concurrency")
     enable_server_load_tracking: bool = opt(
         False, "count the requests being served, for GET /load (vLLM's server_load)")
     uds: str | None = opt(None, "listen on this Unix domain socket instead of --host and "
@@ -375,7 +379,8 @@ class ApiConfig:
                              f"max_video_frames={self.max_video_frames}")
         for name in ("max_image_pixels", "max_image_bytes", "max_body_bytes", "max_video_bytes",
                      "max_video_frames", "max_video_decode_frames", "max_video_pixels",
-                     "max_header_bytes", "max_unread_bodies", "mm_inflight_budget", "max_n"):
+                     "max_header_bytes", "max_unread_bodies", "mm_inflight_budget", "max_n",
+                     "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.shutdown_timeout_s < 0:

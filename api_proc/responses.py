@@ -33,6 +33,7 @@ from api_proc.protocol import (
 )
 from api_proc.request_body import wait_for_disconnect
 from api_proc.serving import Choice, Prepared
+from api_proc.stream_interval import HeldSteps, due
 from api_proc.sync_send import SyncSend
 
 DONE = b"data: [DONE]\n\n"
@@ -111,6 +112,9 @@ class StreamedResponse(Response):
         self._on_end = on_end
         self._out: SyncSend | None = None
         self._outputs: _Outputs | None = None
+        # --stream-interval above 1: each choice's steps since its last chunk
+        self._held = ({c.index: HeldSteps(p.kind == "chat") for c in p.choices}
+                      if writer.stream_interval > 1 else None)
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         p, w = self._prepared, self._writer
@@ -132,6 +136,7 @@ class StreamedResponse(Response):
             if not outputs.done.done():
                 return  # the client is gone
             if outputs.error is not None:
+                self._write_held()  # the tokens before the error first
                 out(_sse(json.dumps(outputs.error.to_dict())))
             elif p.include_usage:
                 cls = ChatCompletionChunk if p.kind == "chat" else CompletionChunk
@@ -153,18 +158,37 @@ class StreamedResponse(Response):
             self._on_end(status)
 
     def _write(self, c: Choice, text: str, finish: str | None, lp: Any) -> None:
-        out = self._out
-        self._writer._write_step(out, self._prepared, c, text, finish, lp)
+        out, w = self._out, self._writer
+        if self._held is not None:
+            held = self._held[c.index]
+            if not due(w.stream_interval, c.num_tokens, c.num_streamed, finish):
+                held.hold(text, lp)
+                return
+            text, lp = held.take(text, lp)
+        w._write_step(out, self._prepared, c, text, finish, lp)
         if out.backlog_bytes > MAX_BACKLOG_BYTES:
             self._outputs.pause()
+
+    def _write_held(self) -> None:
+        """Each unfinished choice's held steps, as a chunk of their own."""
+        if self._held is None:
+            return
+        for c in self._prepared.choices:
+            held = self._held[c.index]
+            if c.finish_reason is None and (held.text or held.logprobs is not None
+                                            or c.num_tokens > c.num_streamed):
+                text, lp = held.take("", None)
+                self._writer._write_step(self._out, self._prepared, c, text, None, lp)
 
 
 class ResponseWriter:
     """Turns a Prepared request's engine outputs into its response; counts tokens and TTFT."""
 
-    def __init__(self, metrics: Metrics, logprobs: LogprobsFormatter) -> None:
+    def __init__(self, metrics: Metrics, logprobs: LogprobsFormatter,
+                 stream_interval: int = 1) -> None:
         self.metrics = metrics
         self.logprobs = logprobs
+        self.stream_interval = stream_interval  # tokens per streamed chunk (stream_interval.py)
 
     def stream(self, p: Prepared, on_end: Callable[[int], None]) -> StreamedResponse:
         """The SSE response of a streaming request; on_end(status) when it is over."""

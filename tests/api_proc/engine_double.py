@@ -9,6 +9,7 @@ prompt text change its behaviour:
     [[slow]]   0.05 s between outputs
     [[hang]]   the first output, then nothing until the request is aborted
     [[error]]  the first output, then an output with finish "error" (ErrorCode.INTERNAL)
+    [[late-error]] the same after three outputs
     [[refuse]] at once an output with finish "error" (ErrorCode.REJECTED)
     [[gated]]  no output until the test opens the gate (a prefill that takes its time)
 
@@ -55,7 +56,7 @@ class Running:
     num_prompt_tokens: int
     delay: float
     hang: bool
-    error: bool
+    error: int  # outputs before an output with finish "error"; 0: none
     gated: bool
     sent: int = 0
     next_at: float = 0.0
@@ -122,7 +123,8 @@ class EngineDouble:
         echo = [t for t in ids if t not in self.special]
         self.running[rid] = Running(
             rid, echo[:max_tokens], len(echo) <= max_tokens, len(ids),
-            SLOW_S if "[[slow]]" in text else STEP_S, "[[hang]]" in text, "[[error]]" in text,
+            SLOW_S if "[[slow]]" in text else STEP_S, "[[hang]]" in text,
+            1 if "[[error]]" in text else 3 if "[[late-error]]" in text else 0,
             "[[gated]]" in text)
         return None
 
@@ -132,7 +134,7 @@ class EngineDouble:
             if r.gated or (r.hang and r.sent) or now < r.next_at:
                 continue
             r.next_at = now + r.delay
-            if r.error and r.sent:
+            if r.error and r.sent >= r.error:
                 outputs.append(RequestOutput(r.request_id, [], "error", r.num_prompt_tokens,
                                              r.sent, error="engine double failed on purpose",
                                              error_code=ErrorCode.INTERNAL))
