@@ -82,6 +82,9 @@ def format_table(result: BenchResult) -> str:
     if result.total_tokens_per_s is not None:
         lines.append(f"{'total tokens/s':<{NAME_WIDTH}}{result.total_tokens_per_s:10.2f}")
     total = result.completed + result.errors
+    if (cpu := result.server_cpu_us_per_token) is not None:
+        lines.append(f"{'server CPU per token':<{NAME_WIDTH}}{cpu['api']:10.1f} us in the API "
+                     f"process, {cpu['others']:.1f} us in the processes under it")
     lines.append(f"{'completed':<{NAME_WIDTH}}{result.completed:10d} of {total} in "
                  f"{result.duration_s:.2f} s, {result.output_tokens} output tokens")
     kinds = ", ".join(f"{kind}: {n}" for kind, n in sorted(result.error_kinds.items()))
@@ -101,7 +104,14 @@ _COMPARED = (
     ("e2e p50 (ms)", lambda r: r.e2e_ms["p50"], False),
     ("requests/s", lambda r: r.requests_per_s, True),
     ("output tokens/s", lambda r: r.output_tokens_per_s, True),
+    ("API CPU per token (us)", lambda r: _cpu(r, "api"), False),
+    ("others' CPU per token", lambda r: _cpu(r, "others"), False),
 )
+
+
+def _cpu(result: BenchResult, part: str) -> float | None:
+    cpu = result.server_cpu_us_per_token
+    return None if cpu is None else cpu[part]
 
 
 def format_comparison(baseline: BenchResult, result: BenchResult) -> str:
@@ -131,6 +141,7 @@ _ROUND_ROWS = (
     ("ITL p99 (ms)", lambda r: r.itl_ms["p99"], False),
     ("e2e p50 (ms)", lambda r: r.e2e_ms["p50"], False),
     ("e2e p99 (ms)", lambda r: r.e2e_ms["p99"], False),
+    ("API CPU/token us", lambda r: _cpu(r, "api"), False),
 )
 
 

@@ -20,6 +20,7 @@ from flatserve.bench.report import (
     write_rounds_json,
 )
 from flatserve.bench.request import RequestResult
+from flatserve.bench.server_cpu import ServerCpu
 from flatserve.bench.stats import BenchResult, summarize
 from flatserve.bench.workload import build_units
 from flatserve.soak.config import passthrough_value
@@ -67,8 +68,9 @@ class _ProgressBar:
 
 
 @contextlib.contextmanager
-def _measuring(progress: _ProgressBar, poller: HealthPoller) -> Iterator[None]:
-    with progress, poller:
+def _measuring(progress: _ProgressBar, poller: HealthPoller, cpu: ServerCpu
+               ) -> Iterator[None]:
+    with progress, poller, cpu:
         yield
 
 
@@ -138,11 +140,15 @@ def measure(config: BenchConfig, target: Target) -> BenchResult:
                 on_finish=progress.update)
     poller = HealthPoller(target.base_url + target.health_path, config.health_interval_s,
                           target.headers)
-    warm, results = run_interruptible(load.run(warmup, measured, _measuring(progress, poller)))
+    cpu = ServerCpu(target.base_url)
+    warm, results = run_interruptible(load.run(warmup, measured,
+                                               _measuring(progress, poller, cpu)))
     _report_warmup(warm)
     settings = {"base_url": target.base_url, "model": target.model, **config.settings()}
-    return summarize(results, poller.latencies_s, target.health_path, poller.errors,
-                     target.label, settings)
+    result = summarize(results, poller.latencies_s, target.health_path, poller.errors,
+                       target.label, settings)
+    result.server_cpu_us_per_token = cpu.per_token_us(result.output_tokens)
+    return result
 
 
 def run_bench(config: BenchConfig) -> BenchResult:

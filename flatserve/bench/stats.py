@@ -48,6 +48,9 @@ class BenchResult:
     error_kinds: dict[str, int] = field(default_factory=dict)
     first_error: str | None = None
     settings: dict = field(default_factory=dict)
+    # CPU time per output token of a server on this machine (server_cpu.py): "api" (the
+    # process on its port), "others" (those under it); None when it could not be read
+    server_cpu_us_per_token: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -1,0 +1,55 @@
+"""The server's CPU time per output token over the measured requests, where the server runs
+on this machine: the process listening on its port (the API process, flatserve's or a
+peer's) and, apart, the processes under it (engines, workers). What a streamed token costs
+the host, which bounds the tokens per second one API process can serve whatever the device
+does. Nothing for a server on another machine or processes this user may not read; a
+process that ends during the run counts for nothing."""
+
+from __future__ import annotations
+
+import psutil
+
+from flatserve.soak.processes import listening_pid
+
+
+def _cpu_s(process: psutil.Process) -> float | None:
+    try:
+        t = process.cpu_times()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+    return t.user + t.system
+
+
+class ServerCpu:
+    """`with ServerCpu(base_url) as cpu:` around the measured requests, then
+    `cpu.per_token_us(tokens)`: {"api": us, "others": us} or None."""
+
+    def __init__(self, base_url: str) -> None:
+        pid = listening_pid(base_url)
+        self._api = psutil.Process(pid) if pid is not None else None
+        self._start: dict[int, float] = {}
+        self._end: dict[int, float] = {}
+
+    def _read(self) -> dict[int, float]:
+        if self._api is None:
+            return {}
+        try:
+            processes = [self._api, *self._api.children(recursive=True)]
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return {}
+        return {p.pid: s for p in processes if (s := _cpu_s(p)) is not None}
+
+    def __enter__(self) -> ServerCpu:
+        self._start = self._read()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._end = self._read()
+
+    def per_token_us(self, tokens: int) -> dict[str, float] | None:
+        api = None if self._api is None else self._api.pid
+        if api not in self._start or api not in self._end or tokens <= 0:
+            return None
+        used = {pid: s - self._start[pid] for pid, s in self._end.items() if pid in self._start}
+        others = sum(s for pid, s in used.items() if pid != api)
+        return {"api": 1e6 * used[api] / tokens, "others": 1e6 * others / tokens}
