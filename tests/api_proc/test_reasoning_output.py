@@ -140,10 +140,15 @@ def server_plain(start_app, engine_double, template):
     return start_app(engine_double, chat_template=template)
 
 
+@pytest.mark.parametrize("interval", [1, 5], ids=["token-by-token", "stream-interval-5"])
 @pytest.mark.parametrize("reasoning", [None, "qwen3"])
-def test_qwen3_coder_calls_after_the_reasoning(start_app, engine_double, template, reasoning):
+def test_qwen3_coder_calls_after_the_reasoning(start_app, engine_double, template, reasoning,
+                                               interval):
+    """Streamed token by token or five tokens a chunk (the parsers read the chunk's text as
+    one piece), the same reasoning, content and call as the whole answer."""
     server = start_app(engine_double, chat_template=template, reasoning_parser=reasoning,
-                       tool_call_parser="qwen3_coder", enable_auto_tool_choice=True)
+                       tool_call_parser="qwen3_coder", enable_auto_tool_choice=True,
+                       stream_interval=interval)
     thought = "I need the weather.</think>\n\n" if reasoning else ""
     text = thought + "Sure.\n" + CALL
     reply = ask(server, text, tools=TOOLS).choices[0]
