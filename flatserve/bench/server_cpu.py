@@ -26,7 +26,10 @@ class ServerCpu:
 
     def __init__(self, base_url: str) -> None:
         pid = listening_pid(base_url)
-        self._api = psutil.Process(pid) if pid is not None else None
+        try:
+            self._api = psutil.Process(pid) if pid is not None else None
+        except psutil.Error:
+            self._api = None
         self._start: dict[int, float] = {}
         self._end: dict[int, float] = {}
 
