@@ -122,7 +122,7 @@ def build_app(config: ApiConfig, *, engine_processes: Sequence[Any] | None = Non
                         config.max_unread_bodies)
     serving = Serving(config, builder, loader, admission, engines, metrics)
     responses = ResponseWriter(metrics, LogprobsFormatter(builder.decoder),
-                               config.stream_interval)
+                               config.stream_interval, config.sse_keep_alive_interval)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):

@@ -37,6 +37,7 @@ from api_proc.stream_interval import HeldSteps, due
 from api_proc.sync_send import SyncSend
 
 DONE = b"data: [DONE]\n\n"
+KEEP_ALIVE = b": keep-alive\n\n"  # an SSE comment: clients skip it, proxies see bytes
 # a client that reads slower than its tokens come: past this many bytes waiting to be sent,
 # its streams are paused (the engine's outputs merge as token ids) until they are out
 MAX_BACKLOG_BYTES = 256 << 10
@@ -132,7 +133,7 @@ class StreamedResponse(Response):
                     out(w._chunk(p, c, c.echo, None, echo=True))
             outputs.start()
             watcher = asyncio.ensure_future(wait_for_disconnect(receive))
-            await asyncio.wait((outputs.done, watcher), return_when=asyncio.FIRST_COMPLETED)
+            await self._until_done(outputs, watcher)
             if not outputs.done.done():
                 return  # the client is gone
             if outputs.error is not None:
@@ -156,6 +157,27 @@ class StreamedResponse(Response):
             outputs.close()
             self._out = self._outputs = None  # they refer back to this response
             self._on_end(status)
+
+    async def _until_done(self, outputs: _Outputs, watcher: asyncio.Future) -> None:
+        """Until every choice has ended or the client has left. With
+        --sse-keep-alive-interval S, an SSE comment whenever S seconds pass without a chunk
+        (queued in an engine, a long prefill, slow tokens): a proxy with a read timeout
+        keeps the connection."""
+        waiting = (outputs.done, watcher)
+        interval = self._writer.keep_alive_s
+        if not interval:
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            return
+        out = self._out
+        while True:
+            quiet = time.monotonic() - out.written_at
+            if quiet >= interval:
+                out(KEEP_ALIVE)
+                quiet = 0.0
+            done, _ = await asyncio.wait(waiting, timeout=interval - quiet,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if done:
+                return
 
     def _write(self, c: Choice, text: str, finish: str | None, lp: Any) -> None:
         out, w = self._out, self._writer
@@ -185,10 +207,11 @@ class ResponseWriter:
     """Turns a Prepared request's engine outputs into its response; counts tokens and TTFT."""
 
     def __init__(self, metrics: Metrics, logprobs: LogprobsFormatter,
-                 stream_interval: int = 1) -> None:
+                 stream_interval: int = 1, keep_alive_s: float = 0.0) -> None:
         self.metrics = metrics
         self.logprobs = logprobs
         self.stream_interval = stream_interval  # tokens per streamed chunk (stream_interval.py)
+        self.keep_alive_s = keep_alive_s  # an SSE comment after this long without a chunk
 
     def stream(self, p: Prepared, on_end: Callable[[int], None]) -> StreamedResponse:
         """The SSE response of a streaming request; on_end(status) when it is over."""

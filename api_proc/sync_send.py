@@ -21,6 +21,7 @@ error and exception handlers, CORS) pass bodies straight through.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Generator
 from typing import Any
 
@@ -28,7 +29,8 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 class SyncSend:
-    __slots__ = ("_send", "_backlog", "backlog_bytes", "_task", "error", "on_drained")
+    __slots__ = ("_send", "_backlog", "backlog_bytes", "_task", "error", "on_drained",
+                 "written_at")
 
     def __init__(self, send: Send) -> None:
         self._send = send
@@ -37,10 +39,12 @@ class SyncSend:
         self._task: asyncio.Task | None = None
         self.error: BaseException | None = None  # the send failed: the client is gone
         self.on_drained: Callable[[], None] | None = None  # once a suspended send is done
+        self.written_at = time.monotonic()  # when the last body was written (or this began)
 
     def __call__(self, body: bytes) -> None:
         if self.error is not None:
             return
+        self.written_at = time.monotonic()
         if self._task is not None:
             self._backlog.append(body)
             self.backlog_bytes += len(body)

@@ -29,6 +29,8 @@ NO_HUB = "flatserve serves local checkpoint folders only: no hub downloads"
 NO_LORA = "no LoRA adapters"
 EAGER = ("no torch.compile: CUDA graphs are flatserve's own (--no-enforce-eager, "
          "--cudagraph-mode, --cudagraph-capture-sizes, --max-cudagraph-capture-size)")
+SYNC_STEPS = ("an engine schedules each step once the step before it has sampled its tokens "
+              "(no asynchronous scheduling)")
 
 FLAGS = (
     # accepted where they describe what flatserve always does
@@ -67,6 +69,10 @@ FLAGS = (
              no_op=("auto", "generate")),
     VllmFlag(("--guided-decoding-backend",), "structured outputs use xgrammar",
              no_op=("auto", "xgrammar")),
+    VllmFlag(("--no-async-scheduling",), SYNC_STEPS, False, ("--no-async-scheduling",)),
+    VllmFlag(("--attention-backend",),
+             "attention runs flatserve's own kernels for the device (FlashAttention's varlen "
+             "and a Triton paged decode kernel on CUDA, C kernels on a CPU)", no_op=("auto",)),
     VllmFlag(("--mm-processor-cache-gb",),
              "no processor cache: the encoder cache keeps vision embeddings "
              "(--encoder-cache-bytes)", no_op=("0",)),
@@ -84,7 +90,11 @@ FLAGS = (
     VllmFlag(("--enable-lora",), NO_LORA, False),
     VllmFlag(("--lora-modules", "--max-loras", "--max-lora-rank"), NO_LORA),
     VllmFlag(("--speculative-config",), "no speculative decoding"),
-    VllmFlag(("--compilation-config", "-O"), EAGER),
+    VllmFlag(("--compilation-config", "-O", "--optimization-level"), EAGER),
+    VllmFlag(("--async-scheduling",), SYNC_STEPS, False),
+    VllmFlag(("--performance-mode",),
+             "no performance modes: the batch is --max-num-seqs and --max-num-batched-tokens, "
+             "the CUDA graphs' sizes --cudagraph-capture-sizes and --max-cudagraph-capture-size"),
     VllmFlag(("--enable-expert-parallel", "-ep"), "no expert parallelism", False),
     VllmFlag(("--distributed-executor-backend",),
              "engines and their ranks are flatserve's own processes (vLLM's mp)",

@@ -162,12 +162,15 @@ def test_a_representative_vllm_command_line_parses_and_validates(tiny_model_path
                  "--allowed-origins", '["https://ui.example"]', "--api-key", "k",
                  "--limit-mm-per-prompt", '{"image": 4}', "--uvicorn-log-level", "warning",
                  "--disable-uvicorn-access-log", "--num-gpu-blocks-override", "100",
-                 "--generation-config", "vllm", "--response-role", "assistant")
+                 "--generation-config", "vllm", "--response-role", "assistant",
+                 "--no-async-scheduling", "--attention-backend", "auto",
+                 "--stream-interval", "4", "--sse-keep-alive-interval", "15")
     config = ApiConfig.from_cli_args(args, model=args.model_tag, served_model_name=("x",),
                                      engine_addresses=("ipc:///tmp/e.sock",))
     assert config.max_model_len == 4000 and config.host == "0.0.0.0"
     assert config.root_path == "/llm" and config.allowed_origins == ("https://ui.example",)
     assert config.enable_log_requests is False and config.max_images_per_prompt == 4
+    assert config.stream_interval == 4 and config.sse_keep_alive_interval == 15.0
     engine = EngineConfig(model=args.model_tag, **{n: getattr(args, n) for n in ENGINE_FLAGS})
     assert engine.seed == 1 and engine.num_kv_blocks == 100 and engine.max_num_seqs == 32
     assert args.disable_uvicorn_access_log
@@ -189,6 +192,12 @@ def test_a_representative_vllm_command_line_parses_and_validates(tiny_model_path
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 cannot apply here"),
     (["--no-enable-chunked-prefill"], "chunked prefill is always on"),
     (["--compilation-config", "{}"], "no torch.compile"),
+    (["--optimization-level", "3"], "no torch.compile"),
+    (["--async-scheduling"], "--async-scheduling cannot apply here: an engine schedules each "
+                             "step once the step before it has sampled"),
+    (["--performance-mode", "throughput"], "no performance modes"),
+    (["--attention-backend", "FLASH_ATTN"], "flatserve's own kernels for the device "
+                                            "(FlashAttention's varlen"),
     (["-pp", "2"], "-pp 2 cannot apply here: no pipeline parallelism"),
     (["--revision", "main"], "no hub downloads"),
     (["--download-dir", "/x"], "no hub downloads"),
