@@ -319,9 +319,10 @@ class ApiConfig:
         "then a chunk once N tokens have come since the last, and its end; fewer, larger "
         "chunks cost the API process less per token at high concurrency")
     sse_keep_alive_interval: float = opt(
-        0.0, "seconds: a streamed response that has written nothing for this long (queued, "
-        "a long prefill, slow tokens) writes an SSE comment line, so that proxies with read "
-        "timeouts keep the connection (vLLM's); 0: never")
+        0.0, "seconds (0.1 or more): a streamed response that has written nothing for this "
+        "long since its headers (queued in an engine, a long prefill, slow tokens) writes an "
+        "SSE comment line, so that proxies with read timeouts keep the connection (vLLM's); "
+        "0: never")
     enable_server_load_tracking: bool = opt(
         False, "count the requests being served, for GET /load (vLLM's server_load)")
     uds: str | None = opt(None, "listen on this Unix domain socket instead of --host and "
@@ -387,9 +388,10 @@ class ApiConfig:
                      "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if not 0 <= self.sse_keep_alive_interval < float("inf"):
-            raise ValueError(f"sse_keep_alive_interval must be 0 or more seconds, got "
-                             f"{self.sse_keep_alive_interval}")
+        if not (self.sse_keep_alive_interval == 0
+                or 0.1 <= self.sse_keep_alive_interval < float("inf")):
+            raise ValueError(f"sse_keep_alive_interval must be 0 (off) or at least 0.1 "
+                             f"seconds, got {self.sse_keep_alive_interval}")
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"shutdown_timeout_s must not be negative, got "
                              f"{self.shutdown_timeout_s}")

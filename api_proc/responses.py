@@ -162,7 +162,8 @@ class StreamedResponse(Response):
         """Until every choice has ended or the client has left. With
         --sse-keep-alive-interval S, an SSE comment whenever S seconds pass without a chunk
         (queued in an engine, a long prefill, slow tokens): a proxy with a read timeout
-        keeps the connection."""
+        keeps the connection. Not before the response starts: a request waiting for the
+        image budget or its media gets its headers when it has been handed to an engine."""
         waiting = (outputs.done, watcher)
         interval = self._writer.keep_alive_s
         if not interval:
@@ -172,7 +173,8 @@ class StreamedResponse(Response):
         while True:
             quiet = time.monotonic() - out.written_at
             if quiet >= interval:
-                out(KEEP_ALIVE)
+                if not out.backlog_bytes:  # a client not reading has bytes waiting already
+                    out(KEEP_ALIVE)
                 quiet = 0.0
             done, _ = await asyncio.wait(waiting, timeout=interval - quiet,
                                          return_when=asyncio.FIRST_COMPLETED)

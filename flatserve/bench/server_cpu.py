@@ -2,8 +2,10 @@
 on this machine: the process listening on its port (the API process, flatserve's or a
 peer's) and, apart, the processes under it (engines, workers). What a streamed token costs
 the host, which bounds the tokens per second one API process can serve whatever the device
-does. Nothing for a server on another machine or processes this user may not read; a
-process that ends during the run counts for nothing."""
+does. Nothing for a server on another machine or processes this user may not read. The
+processes under it are those alive at both ends of the run, plus what the API process's
+children that ended and were reaped used (an engine restarted mid-run); one started during
+the run is not counted. The kernel counts in 10 ms ticks: read short runs as rough."""
 
 from __future__ import annotations
 
@@ -11,13 +13,16 @@ import psutil
 
 from flatserve.soak.processes import listening_pid
 
+REAPED = -1  # the key of the API process's children that ended and were reaped
 
-def _cpu_s(process: psutil.Process) -> float | None:
+
+def _cpu_s(process: psutil.Process) -> tuple[float, float] | None:
+    """(the process's own CPU seconds, its reaped children's)."""
     try:
         t = process.cpu_times()
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return None
-    return t.user + t.system
+    return t.user + t.system, getattr(t, "children_user", 0.0) + getattr(t, "children_system", 0.0)
 
 
 class ServerCpu:
@@ -40,7 +45,12 @@ class ServerCpu:
             processes = [self._api, *self._api.children(recursive=True)]
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             return {}
-        return {p.pid: s for p in processes if (s := _cpu_s(p)) is not None}
+        read = {p.pid: s for p in processes if (s := _cpu_s(p)) is not None}
+        if self._api.pid not in read:
+            return {}
+        times = {pid: own for pid, (own, _) in read.items()}
+        times[REAPED] = read[self._api.pid][1]
+        return times
 
     def __enter__(self) -> ServerCpu:
         self._start = self._read()
@@ -54,5 +64,6 @@ class ServerCpu:
         if api not in self._start or api not in self._end or tokens <= 0:
             return None
         used = {pid: s - self._start[pid] for pid, s in self._end.items() if pid in self._start}
-        others = sum(s for pid, s in used.items() if pid != api)
+        # a pid that ended and was taken by a new process reads less than it started at
+        others = sum(s for pid, s in used.items() if pid != api and s > 0)
         return {"api": 1e6 * used[api] / tokens, "others": 1e6 * others / tokens}

@@ -61,7 +61,8 @@ def listening_pid(url: str) -> int | None:
         connections = psutil.net_connections(kind="tcp")
     except psutil.AccessDenied:
         return None
-    for conn in connections:
-        if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port:
+    for conn in connections:  # an entry without a pid (another user's, say) is passed over
+        if (conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port
+                and conn.pid is not None):
             return conn.pid
     return None

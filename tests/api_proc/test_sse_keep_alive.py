@@ -95,6 +95,8 @@ def test_no_comment_lines_by_default(start_app, engine_double):
     assert all(line != KEEP_ALIVE for _, line in lines) and lines[-1][1] == "data: [DONE]"
 
 
-def test_a_negative_interval_is_refused(make_config):
-    with pytest.raises(ValueError, match="sse_keep_alive_interval must be 0 or more"):
-        make_config(sse_keep_alive_interval=-1.0)
+def test_intervals_below_a_tenth_of_a_second_are_refused(make_config):
+    for seconds in (-1.0, 0.01, float("nan")):
+        with pytest.raises(ValueError, match="sse_keep_alive_interval must be 0 .off. or at "
+                                             "least 0.1 seconds"):
+            make_config(sse_keep_alive_interval=seconds)
