@@ -63,7 +63,12 @@ class ServerCpu:
         api = None if self._api is None else self._api.pid
         if api not in self._start or api not in self._end or tokens <= 0:
             return None
-        used = {pid: s - self._start[pid] for pid, s in self._end.items() if pid in self._start}
+        start, end = self._start, self._end
+        alive = [pid for pid in end if pid in start and pid not in (api, REAPED)]
         # a pid that ended and was taken by a new process reads less than it started at
-        others = sum(s for pid, s in used.items() if pid != api and s > 0)
-        return {"api": 1e6 * used[api] / tokens, "others": 1e6 * others / tokens}
+        others = sum(max(0.0, end[pid] - start[pid]) for pid in alive)
+        # children reaped during the run: their whole lives, less what those alive at the
+        # start had used by then
+        ended = sum(s for pid, s in start.items() if pid not in end and pid not in (api, REAPED))
+        others += max(0.0, end[REAPED] - start[REAPED] - ended)
+        return {"api": 1e6 * (end[api] - start[api]) / tokens, "others": 1e6 * others / tokens}
