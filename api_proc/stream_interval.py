@@ -48,7 +48,6 @@ class HeldSteps:
 
 
 def due(interval: int, num_tokens: int, num_streamed: int, finish: str | None) -> bool:
-    """Whether a choice's step is written now: always at interval 1, with its first token
-    (nothing streamed yet), at its end, or once `interval` tokens wait."""
-    return (interval <= 1 or finish is not None or num_streamed == 0
-            or num_tokens - num_streamed >= interval)
+    """Whether a choice's step is written now: with its first token (nothing streamed yet),
+    at its end, or once `interval` tokens wait."""
+    return finish is not None or num_streamed == 0 or num_tokens - num_streamed >= interval

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -9,9 +10,11 @@ import ssl
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import psutil
 
 REPO = Path(__file__).resolve().parents[2]
@@ -73,3 +76,15 @@ class ServerProcess:
         if self._log is not subprocess.DEVNULL:
             self._log.close()
         return self.process.returncode
+
+
+@contextlib.contextmanager
+def served_openai(log_dir: Path, *flags: str) -> Iterator[openai.OpenAI]:
+    """`flatserve serve` with `flags` (its log in `log_dir`), ready, as the official openai
+    client; stopped when the block ends."""
+    proc = ServerProcess(*flags, log_path=log_dir / "server.log")
+    try:
+        proc.wait_ready()
+        yield openai.OpenAI(base_url=proc.url + "/v1", api_key="unused", max_retries=0)
+    finally:
+        proc.stop()

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from api_proc.protocol import ChatCompletionChunk
-from tests.e2e.server_process import ServerProcess
+from tests.e2e.server_process import served_openai
 
 pytest.importorskip("xgrammar")
 
@@ -36,13 +36,9 @@ FORCED_CALL = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n
 
 @pytest.fixture(scope="module")
 def oai(tmp_path_factory, tiny_model_path):
-    proc = ServerProcess("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                         log_path=tmp_path_factory.mktemp("server") / "server.log")
-    try:
-        proc.wait_ready()
-        yield openai.OpenAI(base_url=proc.url + "/v1", api_key="unused", max_retries=0)
-    finally:
-        proc.stop()
+    with served_openai(tmp_path_factory.mktemp("server"),
+                       "--enable-auto-tool-choice", "--tool-call-parser", "hermes") as client:
+        yield client
 
 
 def valid(name: str, arguments: dict) -> bool:

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from api_proc.prompt_builder import PromptBuilder
-from tests.e2e.server_process import ServerProcess
+from tests.e2e.server_process import ServerProcess, served_openai
 from tests.e2e.vllm_dropin.conftest import MODEL
 
 CHAT = [{"role": "user", "content": "What is 1+1?"}]
@@ -27,13 +27,9 @@ OPENS_THINKING = r"""{%- for m in messages -%}
 
 @pytest.fixture(scope="module")
 def thinker(tmp_path_factory, tiny_model_path):
-    proc = ServerProcess("--reasoning-parser", "qwen3", "--reasoning-config", json.dumps(MARKERS),
-                         log_path=tmp_path_factory.mktemp("thinker") / "server.log")
-    try:
-        proc.wait_ready()
-        yield openai.OpenAI(base_url=proc.url + "/v1", api_key="unused", max_retries=0)
-    finally:
-        proc.stop()
+    with served_openai(tmp_path_factory.mktemp("thinker"),
+                       "--reasoning-parser", "qwen3", "--reasoning-config", json.dumps(MARKERS)) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")

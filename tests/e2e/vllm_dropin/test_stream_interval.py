@@ -4,10 +4,9 @@ non-streamed answer's text, log-probabilities and token ids."""
 
 from __future__ import annotations
 
-import openai
 import pytest
 
-from tests.e2e.server_process import ServerProcess
+from tests.e2e.server_process import served_openai
 from tests.e2e.vllm_dropin.conftest import MODEL
 
 ARGS = dict(model=MODEL, max_tokens=10, temperature=0, extra_body={"ignore_eos": True,
@@ -17,13 +16,9 @@ USAGE = {"include_usage": True, "continuous_usage_stats": True}
 
 @pytest.fixture(scope="module")
 def every_third(tmp_path_factory, tiny_model_path):
-    proc = ServerProcess("--stream-interval", "3",
-                         log_path=tmp_path_factory.mktemp("interval") / "server.log")
-    try:
-        proc.wait_ready()
-        yield openai.OpenAI(base_url=proc.url + "/v1", api_key="unused", max_retries=0)
-    finally:
-        proc.stop()
+    with served_openai(tmp_path_factory.mktemp("interval"),
+                       "--stream-interval", "3") as client:
+        yield client
 
 
 def tokens_per_chunk(chunks) -> list[int]:

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from api_proc.prompt_builder import PromptBuilder
-from tests.e2e.server_process import ServerProcess
+from tests.e2e.server_process import served_openai
 from tests.e2e.vllm_dropin.conftest import MODEL
 
 CHAT = [{"role": "user", "content": "Hello there"}]
@@ -134,13 +134,9 @@ def test_return_token_ids_in_completions(oai, builder):
 
 @pytest.fixture(scope="module")
 def token_out(tmp_path_factory, tiny_model_path):
-    proc = ServerProcess("--enable-force-include-usage", "--skip-tokenizer-init",
-                         log_path=tmp_path_factory.mktemp("token-out") / "server.log")
-    try:
-        proc.wait_ready()
-        yield openai.OpenAI(base_url=proc.url + "/v1", api_key="unused", max_retries=0)
-    finally:
-        proc.stop()
+    with served_openai(tmp_path_factory.mktemp("token-out"),
+                       "--enable-force-include-usage", "--skip-tokenizer-init") as client:
+        yield client
 
 
 def test_token_in_token_out_with_usage_forced(token_out, oai, builder):
