@@ -9,7 +9,13 @@ serves x86-64 and Arm.
 FLATSERVE_KERNEL_MARCH (default `native`) is the `-march` the kernels are built for:
 `x86-64-v3` builds them for AVX2 and FMA only, so that a machine with AVX-512 can run the
 numerical tests on the code a machine without it runs. The flags are in the cache key: each
-value's library is a file of its own."""
+value's library is a file of its own.
+
+`-mtune=generic` on every build: GCC's tuning for some CPUs (AMD Zen 2-4, with
+`-march=native`) leaves a multiply and an add unfused where generic tuning fuses them (an FMA,
+one rounding instead of two), so the same source gave other bits on a Zen than the x86-64-v3
+build the AVX2 tests run. With generic tuning the fused operations follow the source and the
+ISA only: every x86-64 with AVX2 and FMA computes the same bits."""
 
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ logger = logging.getLogger(__name__)
 def flags() -> tuple[str, ...]:
     """The compiler's flags, for the -march FLATSERVE_KERNEL_MARCH names (default native)."""
     march = os.environ.get("FLATSERVE_KERNEL_MARCH") or "native"
-    return ("-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC")
+    return ("-O3", f"-march={march}", "-mtune=generic", "-fopenmp", "-shared", "-fPIC")
 
 
 def _cpu_flags() -> str:
