@@ -6,22 +6,6 @@ The Python SDK (`from flatserve import Client`) is flatserve/sdk.py; the `flatse
 shared/ (what both import).
 """
 
-from flatserve.sdk import (
-    APIConnectionError,
-    APIError,
-    AsyncClient,
-    AuthenticationError,
-    BadRequestError,
-    ChatResult,
-    Client,
-    InternalServerError,
-    NotFoundError,
-    OverBudgetError,
-    PayloadTooLargeError,
-    ServiceUnavailableError,
-    Usage,
-)
-
 __all__ = [
     "APIConnectionError",
     "APIError",
@@ -37,3 +21,13 @@ __all__ = [
     "ServiceUnavailableError",
     "Usage",
 ]
+
+
+def __getattr__(name: str):
+    """The SDK's names, imported on first use: the `flatserve` command (whose processes import
+    this package) does not pay for httpx and the client at every start."""
+    if name in __all__:
+        from flatserve import sdk
+
+        return getattr(sdk, name)
+    raise AttributeError(f"module 'flatserve' has no attribute {name!r}")

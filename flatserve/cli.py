@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     batch = build_serve_parser(sub.add_parser(
         "run-batch", help="run an OpenAI batch file (JSONL) through the engines and write the "
         "results (vLLM's run-batch)"))
-    from flatserve.run_batch import add_run_batch_args
+    from flatserve.run_batch_args import add_run_batch_args
 
     add_run_batch_args(batch)
     build_serve_parser(sub.add_parser(

@@ -16,14 +16,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
 from api_proc.config import ApiConfig
-from api_proc.engine_client import EngineConnection
-from api_proc.memory_plan import EngineCapacity, api_plan
-from flatserve.engine_supervisor import EngineSupervisor
 from rpc.sockets import IpcDir
 from shared.engine_config import EngineConfig
 from shared.memory import (
@@ -35,6 +32,13 @@ from shared.memory import (
 from shared.memory_plan import MemoryPlan, format_table, memory_limit, over_limit_message
 from shared.model_config import load_model_config, tensor_parallel_problem
 from shared.process import set_process_title
+
+if TYPE_CHECKING:
+    from flatserve.engine_supervisor import EngineSupervisor
+
+# The HTTP side's modules (FastAPI, the app, the engine client: ~1 s of imports here) are
+# imported where they are used, once the engines are spawned: their start (torch's import,
+# the model) goes on meanwhile instead of after.
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +106,8 @@ def spawn_engine(config: EngineConfig) -> SpawnedEngine:
 
 
 async def _wait_ready(handle: SpawnedEngine, deadline: float) -> None:
+    from api_proc.engine_client import EngineConnection
+
     connection = EngineConnection(handle.config.address)
     connection.open()
     try:
@@ -122,9 +128,9 @@ async def _wait_ready(handle: SpawnedEngine, deadline: float) -> None:
         await connection.close()
 
 
-def start_engines(configs: list[EngineConfig], timeout_s: float = 600.0) -> list[SpawnedEngine]:
-    """Spawn every engine and wait until each answers `health`; on any failure stop them all."""
-    handles = [spawn_engine(c) for c in configs]
+def wait_engines_ready(handles: list[SpawnedEngine],
+                       timeout_s: float = 600.0) -> list[SpawnedEngine]:
+    """Wait until each spawned engine answers `health`; on any failure stop them all."""
     deadline = time.monotonic() + timeout_s
 
     async def wait_all() -> None:
@@ -242,6 +248,8 @@ def memory_plans(config: ApiConfig, configs: list[EngineConfig],
     """The API's plan, measured now (the app built, the tokenizer loaded), then each spawned
     engine's. Engines started elsewhere count with EngineConfig's default capacity in the
     API's plan; their own plans belong to their hosts."""
+    from api_proc.memory_plan import EngineCapacity, api_plan
+
     capacities = [EngineCapacity.of(c) for c in configs]
     if not configs:
         capacities = [EngineCapacity.of(EngineConfig())] * len(config.engine_addresses)
@@ -283,8 +291,6 @@ def launch_api(args: argparse.Namespace, command: str, *, is_stopping: Callable[
     them and its memory plan held against the limit. On exit the supervisor and the engines
     stop and the socket folder goes, however the body ended. `overrides`: ApiConfig fields
     the command sets itself."""
-    from api_proc.app import build_app
-
     model, served_names = _resolve_model(args, command)
     # Unset, the context is the model's own capped at DEFAULT_MAX_MODEL_LEN: requests without
     # max_tokens get the rest of the context, and image requests reserve KV for all of it.
@@ -349,8 +355,12 @@ def launch_api(args: argparse.Namespace, command: str, *, is_stopping: Callable[
         except ValueError as exc:
             logger.error("flatserve %s: %s", command, exc)
             raise StartFailed(2) from None
+        handles = [spawn_engine(c) for c in configs]
+        from api_proc.app import build_app  # while the engines start
+        from flatserve.engine_supervisor import EngineSupervisor
+
         try:
-            handles = start_engines(configs, timeout_s=args.engine_start_timeout)
+            wait_engines_ready(handles, timeout_s=args.engine_start_timeout)
         except EngineStartError as exc:
             logger.error("%s", exc)
             raise StartFailed(1) from None
