@@ -18,7 +18,10 @@ from shared.model_config import load_model_config
 
 
 def encode_image(width: int = 64, height: int = 48, fmt: str = "PNG", mode: str = "RGB",
-                 seed: int = 0, exif_orientation: int | None = None) -> bytes:
+                 seed: int = 0, exif_orientation: int | None = None,
+                 compress_level: int | None = None) -> bytes:
+    """Random pixels as an image file; compress_level 0 stores a PNG's noise uncompressed,
+    about as large and 2.5x faster to write (PIL's default 6 gains nothing on noise)."""
     rng = np.random.default_rng(seed)
     channels = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
     arr = rng.integers(0, 256, size=(height, width, channels), dtype=np.uint8)
@@ -29,6 +32,8 @@ def encode_image(width: int = 64, height: int = 48, fmt: str = "PNG", mode: str 
         exif = Image.Exif()
         exif[0x0112] = exif_orientation
         kwargs["exif"] = exif
+    if compress_level is not None:
+        kwargs["compress_level"] = compress_level
     img.save(buf, fmt, **kwargs)
     return buf.getvalue()
 

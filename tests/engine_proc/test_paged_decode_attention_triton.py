@@ -222,7 +222,7 @@ def test_an_engine_decoding_through_the_kernel_gives_its_eager_tokens(monkeypatc
 
     def run() -> dict:
         engine = make_engine(path, max_num_seqs=4, device=DEVICE, dtype="float32")
-        return engine.generate([make_request(config, f"r{i}", p, max_tokens=6)
+        return engine.generate([make_request(config, f"r{i}", p, max_tokens=4)
                                 for i, p in enumerate(prompts)])
 
     eager = run()

@@ -307,15 +307,18 @@ def test_seed_repeats_unseeded_sampling(tiny_model_path, tmp_path):
     rounding makes the tiny model's distribution peak."""
     ask = {"messages": [{"role": "user", "content": "a story"}], "max_tokens": 32,
            "temperature": 1.5, "ignore_eos": True, "return_token_ids": True}
-    ids = []
-    for seed in ("5", "5", "6"):
-        server = ServerProcess(str(tiny_model_path), "--seed", seed,
-                               log_path=tmp_path / f"server{len(ids)}.log")
-        try:
+    servers = []  # three fresh servers, started side by side
+    try:
+        for i, seed in enumerate(("5", "5", "6")):
+            servers.append(ServerProcess(str(tiny_model_path), "--seed", seed,
+                                         log_path=tmp_path / f"server{i}.log"))
+        ids = []
+        for server in servers:
             server.wait_ready()
             reply = httpx.post(server.url + "/v1/chat/completions", timeout=60, json=ask)
             ids.append(reply.json()["choices"][0]["token_ids"])
-        finally:
+    finally:
+        for server in servers:
             server.stop()
     assert len(ids[0]) == 32
     assert ids[0] == ids[1] != ids[2]
