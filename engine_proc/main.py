@@ -14,7 +14,7 @@ import zmq
 
 from shared.engine_config import EngineConfig
 from shared.memory import ENGINE_MALLOC_ENV, apply_malloc_settings, bound_kernel_caches
-from shared.process import die_with_parent, set_process_title
+from shared.process import die_with_parent, exit_without_teardown, set_process_title
 
 ZMQ_TERM_S = 2.0  # the socket lingers 0.2 s; past this the exit goes on without zmq
 
@@ -63,17 +63,14 @@ def main(argv: list[str] | None = None) -> NoReturn:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: process.stop())
     code = process.run()
-    # Done: the last step is handed to zmq, which term() waits out (the socket's linger),
-    # and the logs are flushed. Exit without the interpreter's teardown: freeing torch's
-    # state took 0.5 s more (measured, on every stop of `flatserve serve`, and after a broken
-    # tensor-parallel group); children (compiler, ranks) are stopped or die with this process.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    # Done: the last step is handed to zmq, whose term() waits it out (the socket's linger).
+    # Then exit without the interpreter's teardown: freeing torch's state took 0.5 s more
+    # (measured, on every stop of `flatserve serve`, and after a broken tensor-parallel
+    # group); children (compiler, ranks) are stopped or die with this process.
     terminating = threading.Thread(target=zmq.Context.instance().term, daemon=True)
     terminating.start()
     terminating.join(ZMQ_TERM_S)  # bounded: a socket left open would hold term() forever
-    os._exit(code)
+    exit_without_teardown(code)
 
 
 if __name__ == "__main__":

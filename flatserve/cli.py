@@ -10,6 +10,7 @@ import argparse
 import logging
 import sys
 from dataclasses import fields, replace
+from typing import NoReturn
 
 from api_proc.config import ApiConfig
 from flatserve.launcher import DEFAULT_MAX_ENGINE_RESTARTS, ENGINE_FLAGS
@@ -131,12 +132,15 @@ def build_serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     return parser
 
 
-def serve(args: argparse.Namespace) -> int:
+def serve(args: argparse.Namespace) -> NoReturn:
     from flatserve.launcher import run_server
+    from shared.process import exit_without_teardown
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s api %(levelname)s %(name)s: %(message)s")
-    return run_server(args)
+    code = run_server(args)
+    # engines, sockets and the server are stopped: the API's module teardown is 0.2 s more
+    exit_without_teardown(code)
 
 
 def main(argv: list[str] | None = None) -> int:
