@@ -58,7 +58,7 @@ class ServerProcess:
                     return self
             except httpx.HTTPError:
                 pass
-            time.sleep(0.2)
+            time.sleep(0.05)
         raise TimeoutError(f"server not ready in {timeout}s:\n{self.log_tail()}")
 
     def engine_pids(self) -> list[int]:
