@@ -392,7 +392,49 @@ class ResponseWriter:
                lp: object = None, tool_calls: list[dict] | None = None,
                reasoning: str | None = None, echo: bool = False) -> bytes:
         """One SSE chunk; for chat, text=None is the opening chunk that carries the role.
-        Built as a dict with exactly OpenAI's fields: the protocol models are the schema
+        A step's text alone (the chunk of almost every token; with its usage when asked for
+        in every chunk) fills the choice's template: the bytes the dict below gives
+        (tested), in 0.5 us instead of 9.5 (measured on an AMD EPYC), which took the API's
+        CPU per streamed token from ~100 to ~70 us there."""
+        if (text is not None and finish is None and lp is None and tool_calls is None
+                and reasoning is None and not echo and not p.return_token_ids):
+            pieces = c.chunk_template or self._template(p, c)
+            if pieces:
+                text_json = _json_str(text)
+                if not text_json.isascii():
+                    text_json = text_json.translate(_LINE_BREAKS)
+                if not p.continuous_usage:
+                    return pieces[0] + text_json.encode() + pieces[1]
+                n = c.num_tokens
+                return b"".join((pieces[0], text_json.encode(), pieces[1], str(n).encode(),
+                                 pieces[2], str(p.num_prompt_tokens + n).encode(), pieces[3]))
+        return self._dict_chunk(p, c, text, finish, lp, tool_calls, reasoning, echo)
+
+    def _template(self, p: Prepared, c: Choice) -> tuple[bytes, ...]:
+        """The pieces of choice `c`'s text-only chunk around its text (and its usage's
+        completion and total tokens): the dict chunk of marks, cut at them. Empty (no
+        template) when an id or model name spells a mark."""
+        whole = self._dict_chunk(p, c, _TEXT_MARK, None, num_tokens=_TOKENS_MARK)
+        marks = [_TEXT_MARK_JSON]
+        if p.continuous_usage:
+            marks += [str(_TOKENS_MARK).encode(),
+                      str(p.num_prompt_tokens + _TOKENS_MARK).encode()]
+        pieces = []
+        for mark in marks:
+            before, *after = whole.split(mark)
+            if len(after) != 1:
+                return ()
+            pieces.append(before)
+            whole = after[0]
+        c.chunk_template = (*pieces, whole)
+        return c.chunk_template
+
+    def _dict_chunk(self, p: Prepared, c: Choice, text: str | None, finish: str | None,
+                    lp: object = None, tool_calls: list[dict] | None = None,
+                    reasoning: str | None = None, echo: bool = False,
+                    num_tokens: int | None = None) -> bytes:
+        """Any chunk (its usage's completion tokens: `num_tokens`, else the choice's), built
+        as a dict with exactly OpenAI's fields: the protocol models are the schema
         (tests validate every chunk against ChatCompletionChunk), but dumping one per token
         costs 7.0 us against 5.3 (measured) and adds fields OpenAI leaves out (delta.role)."""
         if p.kind == "chat":
@@ -423,9 +465,9 @@ class ResponseWriter:
         elif not echo:
             choice["token_ids"] = _take_step_ids(p, c)
         if p.continuous_usage:
-            chunk["usage"] = {"prompt_tokens": p.num_prompt_tokens,
-                              "completion_tokens": c.num_tokens,
-                              "total_tokens": p.num_prompt_tokens + c.num_tokens}
+            n = c.num_tokens if num_tokens is None else num_tokens
+            chunk["usage"] = {"prompt_tokens": p.num_prompt_tokens, "completion_tokens": n,
+                              "total_tokens": p.num_prompt_tokens + n}
         return _sse(json.dumps(chunk, ensure_ascii=False))
 
 
@@ -475,6 +517,14 @@ def _message(c: Choice, include_reasoning: bool = True) -> ChatCompletionMessage
 # Characters JSON leaves raw that Python's str.splitlines (and clients built on it, such as
 # httpx's aiter_lines) read as line ends, cutting an SSE event in two: written escaped.
 _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+# The place of the text in a choice's chunk template: a text no id or model name holds (a NUL
+# each side, which JSON writes escaped; one that does gets no template).
+_TEXT_MARK = "\x00flatserve chunk text\x00"
+_json_str = json.JSONEncoder(ensure_ascii=False).encode
+_TOKENS_MARK = 10**15 + 7  # the completion tokens in a usage template: no answer is as long
+_TEXT_MARK_JSON = _json_str(_TEXT_MARK).encode()
 
 
 def _sse(payload: str) -> bytes:

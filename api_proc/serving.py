@@ -97,6 +97,8 @@ class Choice:
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
     step_ids: list[int] | None = None
+    # streaming: a text-only chunk's bytes around its text (and usage), responses.py
+    chunk_template: tuple[bytes, ...] | None = None
 
 
 @dataclass(eq=False)
