@@ -97,7 +97,7 @@ class Choice:
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
     step_ids: list[int] | None = None
-    # streaming: a text-only chunk's bytes around its text (and usage), responses.py
+    # streaming: a text-only chunk's bytes around its text (and usage), () if none; responses.py
     chunk_template: tuple[bytes, ...] | None = None
 
 

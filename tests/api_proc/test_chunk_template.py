@@ -72,4 +72,4 @@ def test_an_id_or_model_that_spells_the_mark_still_gets_its_bytes():
         c = p.choices[0]
         for text in ("hi", responses._TEXT_MARK):
             assert writer._chunk(p, c, text, None) == writer._dict_chunk(p, c, text, None)
-    assert c.chunk_template is None
+    assert c.chunk_template == ()  # no template: built whole, and not tried again
